@@ -1,0 +1,460 @@
+"""``AsyncGCacheClient``: put, lookup, get and layerwise ``get_layers`` on asyncio.
+
+Failure semantics (see :mod:`gcache.errors`): a store that is down, slow, or
+returns bytes that fail their checksum never raises into the engine on a read
+path; ``get`` returns ``None`` and a ``LayerStream`` stops with ``ok == False``
+(a miss: recompute). ``put`` reports failures in its result. Misuse (tensors that
+do not match the layout, a closed client) raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+import xxhash
+
+from gcache import keys as keymod
+from gcache import layout as laymod
+from gcache import wire
+from gcache._proto import gcache_pb2 as pb
+from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.config import ClientConfig
+from gcache.errors import ClosedError, GCacheError, IntegrityError, LayoutError, RemoteError
+from gcache_client import arrays
+from gcache_client.conn import PipelinedConn
+from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
+
+log = logging.getLogger("gcache.client")
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+class AsyncGCacheClient:
+    def __init__(
+        self, config: ClientConfig | None = None, *, as_torch: bool = False, **overrides: Any
+    ) -> None:
+        """``overrides`` replace fields of ``config``; ``as_torch`` makes reads that
+        allocate their own buffers return torch tensors instead of numpy arrays."""
+        cfg = config or ClientConfig()
+        self.config = dataclasses.replace(cfg, **overrides) if overrides else cfg
+        self.config.check()
+        self.as_torch = as_torch
+        self._meta: PipelinedConn | None = None
+        self._channel: Any = None
+        self._data: dict[tuple[str, str, int], PipelinedConn] = {}
+        self._data_lock = asyncio.Lock()
+        self._closed = False
+        self.counters: Counter[str] = Counter()
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    async def connect(self) -> AsyncGCacheClient:
+        await self._meta_conn()
+        return self
+
+    async def __aenter__(self) -> AsyncGCacheClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._meta is not None:
+            self._meta.close()
+        for conn in self._data.values():
+            conn.close()
+        self._data.clear()
+        if self._channel is not None:
+            await self._channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("client closed")
+
+    async def _meta_conn(self) -> PipelinedConn:
+        self._check_open()
+        if self._meta is None or self._meta.closed:
+            host, port = _host_port(self.config.meta)
+            self._meta = await PipelinedConn.open(host, port, self.config.timeout_s)
+        return self._meta
+
+    async def _meta_call(self, msg: wire.Msg) -> Any:
+        conn = await self._meta_conn()
+        return await conn.call(msg, timeout=self.config.timeout_s)
+
+    async def _server(self, addr: wire.ServerAddr) -> PipelinedConn:
+        key = (addr.server_id, addr.host, addr.port)
+        conn = self._data.get(key)
+        if conn is not None and not conn.closed:
+            return conn
+        async with self._data_lock:
+            conn = self._data.get(key)
+            if conn is None or conn.closed:
+                conn = await PipelinedConn.open(addr.host, addr.port, self.config.timeout_s)
+                self._data[key] = conn
+        return conn
+
+    # ---- namespaces ----------------------------------------------------------------
+
+    async def register_namespace(
+        self,
+        model: str,
+        layout: laymod.LayoutSpec | str,
+        *,
+        block_size: int = 64,
+        revision: str = "",
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        cache_salt: str = "",
+    ) -> Namespace:
+        """Register (idempotently) and return the namespace. ``layout`` is a spec or
+        a preset name (``mimo-v2-flash``, ``llama-3-8b``)."""
+        self._check_open()
+        spec = laymod.preset(layout, block_size) if isinstance(layout, str) else layout
+        laymod.validate(spec)
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.config.meta_grpc)
+        stub = pb_grpc.ControlStub(self._channel)
+        req = pb.RegisterNamespaceRequest(
+            model=model,
+            revision=revision,
+            layout_json=laymod.encode_spec(spec).decode(),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            cache_salt=cache_salt,
+            kv_dtype=spec.dtype,
+        )
+        try:
+            reply = await stub.RegisterNamespace(req, timeout=self.config.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise LayoutError(exc.details() or "invalid namespace") from exc
+            raise GCacheError(f"RegisterNamespace failed: {exc.details()}") from exc
+        return Namespace(bytes(reply.fingerprint), model, laymod.Layout(spec))
+
+    # ---- put -------------------------------------------------------------------------
+
+    def _check_kv(self, ns: Namespace, ntokens: int, nblocks: int, kv: Sequence[KVPair]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """numpy views of each layer's K and V with the token index of their row 0."""
+        layout = ns.layout
+        if len(kv) != layout.num_layers:
+            raise LayoutError(f"got KV for {len(kv)} layers, layout has {layout.num_layers}")
+        bs = layout.block_size
+        out = []
+        for i, (k, v) in enumerate(kv):
+            spec = layout.spec.layers[i]
+            ka = arrays.to_numpy(k, layout.dtype, f"layer {i} K")
+            va = arrays.to_numpy(v, layout.dtype, f"layer {i} V")
+            want_k = (spec.kv_heads, spec.k_head_dim)
+            want_v = (spec.kv_heads, spec.v_head_dim)
+            if ka.ndim != 3 or ka.shape[1:] != want_k:
+                raise LayoutError(f"layer {i} K: shape {ka.shape}, want [tokens, {want_k[0]}, {want_k[1]}]")
+            if va.ndim != 3 or va.shape[1:] != want_v or va.shape[0] != ka.shape[0]:
+                raise LayoutError(f"layer {i} V: shape {va.shape}, want [{ka.shape[0]}, {want_v[0]}, {want_v[1]}]")
+            if ka.shape[0] > ntokens:
+                raise LayoutError(f"layer {i}: {ka.shape[0]} rows for a {ntokens}-token prompt")
+            # Rows are the *last* ka.shape[0] tokens (a sliding layer may hold the window only).
+            start = ntokens - ka.shape[0]
+            g = layout.layer_group[i]
+            tail = layout.group_tail_blocks[g]
+            first = 0 if tail is None else max(0, nblocks - tail)
+            if start > first * bs:
+                raise LayoutError(
+                    f"layer {i} holds tokens from {start}, but blocks from {first} must be stored"
+                )
+            out.append((ka, va, start))
+        return out
+
+    async def put(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: Sequence[KVPair],
+        *,
+        extras: Sequence[bytes] | None = None,
+    ) -> PutResult:
+        """Store the KV of a prompt's full blocks. ``kv[l]`` is ``(K, V)`` of layer l,
+        shaped ``[tokens, kv_heads, head_dim]``; sliding layers may pass only their
+        trailing rows. Full groups are stored for every block, windowed groups only
+        for the blocks a match ending at this prompt needs (strict O(W))."""
+        self._check_open()
+        layout = ns.layout
+        ntokens = len(tokens)
+        nblocks = ntokens // layout.block_size
+        result = PutResult(blocks=nblocks)
+        if nblocks == 0:
+            return result
+        views = self._check_kv(ns, ntokens, nblocks, kv)
+        block_keys = keymod.block_keys(ns.fingerprint, tokens, layout.block_size, extras)
+        masks = layout.groups_to_store(nblocks)
+        wanted = sum(bin(m).count("1") for m in masks)
+        try:
+            placed: wire.PutPlaced = await self._meta_call(wire.PutBegin(ns.fingerprint, block_keys, masks))
+        except GCacheError as exc:
+            log.warning("put: PutBegin failed: %s", exc)
+            result.error = str(exc)
+            self.counters["put_errors"] += 1
+            return result
+        result.no_space = placed.no_space
+        result.deduped = wanted - len(placed.placements) - placed.no_space
+        if not placed.placements:
+            return result
+        sem = asyncio.Semaphore(self.config.max_inflight_writes * max(1, len(placed.servers)))
+
+        async def write_one(pi: int, p: wire.Placement) -> tuple[int, bytes] | None:
+            payload, sums = self._object_views(layout, views, p.block, p.group)
+            async with sem:
+                try:
+                    conn = await self._server(placed.servers[p.server])
+                    await conn.call(wire.Write(p.grant), payload, timeout=self.config.timeout_s)
+                except GCacheError as exc:
+                    log.warning("put: write to %s failed: %s", placed.servers[p.server].server_id, exc)
+                    return None
+            return pi, sums
+
+        done = await asyncio.gather(*(write_one(i, p) for i, p in enumerate(placed.placements)))
+        ok = [d for d in done if d is not None]
+        try:
+            await self._meta_call(wire.PutCommit(placed.put_id, ok))
+        except GCacheError as exc:
+            log.warning("put: PutCommit failed: %s", exc)
+            result.error = str(exc)
+            self.counters["put_errors"] += 1
+            return result
+        result.stored = len(ok)
+        result.failed = len(done) - len(ok)
+        result.bytes_written = sum(placed.placements[pi].grant.length for pi, _ in ok)
+        self.counters["objects_put"] += result.stored
+        self.counters["bytes_put"] += result.bytes_written
+        return result
+
+    @staticmethod
+    def _object_views(
+        layout: laymod.Layout, views: list[tuple[np.ndarray, np.ndarray, int]], block: int, group: int
+    ) -> tuple[list[memoryview], bytes]:
+        """The object's bytes as a list of views into the caller's arrays (K then V
+        of each layer of the group), and its per-layer checksums."""
+        bs = layout.block_size
+        payload: list[memoryview] = []
+        sums = bytearray()
+        for layer in layout.group_layers[group]:
+            k, v, start = views[layer]
+            lo = block * bs - start
+            kv_ = arrays.byte_view(k[lo : lo + bs])
+            vv = arrays.byte_view(v[lo : lo + bs])
+            payload += (kv_, vv)
+            h = xxhash.xxh3_64(kv_)
+            h.update(vv)
+            sums += h.digest()
+        return payload, bytes(sums)
+
+    # ---- lookup -----------------------------------------------------------------------
+
+    async def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
+        """Tokens of the longest valid cached prefix (no lease; 0 if the store is down)."""
+        self._check_open()
+        block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
+        try:
+            res: wire.LookupResult = await self._meta_call(wire.Lookup(ns.fingerprint, block_keys))
+        except GCacheError as exc:
+            log.warning("lookup failed (miss): %s", exc)
+            return 0
+        return int(res.tokens)
+
+    async def match(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> Match:
+        """Longest valid prefix with a read lease on its objects, ready for ``get`` or
+        ``get_layers``. Release it (or let it expire) when done."""
+        self._check_open()
+        block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
+        try:
+            res: wire.LookupResult = await self._meta_call(
+                wire.Lookup(ns.fingerprint, block_keys, lease=True)
+            )
+        except GCacheError as exc:
+            log.warning("match failed (miss): %s", exc)
+            self.counters["misses"] += 1
+            return Match(ns, 0, 0)
+        self.counters["hits" if res.blocks else "misses"] += 1
+        return Match(ns, res.blocks, res.tokens, res.lease_id, res.objects, res.servers)
+
+    async def release(self, match: Match) -> None:
+        if match.lease_id and not self._closed:
+            lease_id, match.lease_id = match.lease_id, 0
+            try:
+                await self._meta_call(wire.Release(lease_id))
+            except GCacheError as exc:
+                log.debug("release failed (the lease expires by itself): %s", exc)
+
+    # ---- get -----------------------------------------------------------------------------
+
+    def layer_rows(self, match: Match, layer: int) -> tuple[int, int]:
+        """(first token, token count) of the rows ``get_layers`` returns for a layer:
+        every matched token for full layers, the stored window for sliding ones."""
+        layout = match.namespace.layout
+        tail = layout.group_tail_blocks[layout.layer_group[layer]]
+        first = 0 if tail is None else max(0, match.blocks - tail)
+        bs = layout.block_size
+        return first * bs, (match.blocks - first) * bs
+
+    async def fetch_layer(self, match: Match, layer: int, out: KVPair | None = None) -> LayerKV:
+        """Read one layer of a match into ``out`` (or fresh arrays) and verify it.
+        Raises :class:`GCacheError` subclasses; the stream/``get`` turn them into misses."""
+        ns = match.namespace
+        layout = ns.layout
+        spec = layout.spec.layers[layer]
+        g = layout.layer_group[layer]
+        first_tok, n = self.layer_rows(match, layer)
+        k_shape = (n, spec.kv_heads, spec.k_head_dim)
+        v_shape = (n, spec.kv_heads, spec.v_head_dim)
+        if out is None:
+            k_arr, v_arr = arrays.empty(k_shape, layout.dtype), arrays.empty(v_shape, layout.dtype)
+            k_user: Any = k_arr
+            v_user: Any = v_arr
+        else:
+            k_user, v_user = out
+            k_arr = arrays.to_numpy(k_user, layout.dtype, f"layer {layer} K out")
+            v_arr = arrays.to_numpy(v_user, layout.dtype, f"layer {layer} V out")
+            if k_arr.shape != k_shape or v_arr.shape != v_shape:
+                raise LayoutError(f"layer {layer} out: want K {k_shape} and V {v_shape}")
+            if arrays.is_torch(k_user) and k_arr.ctypes.data != k_user.data_ptr():
+                raise LayoutError(f"layer {layer} out: tensors must be contiguous CPU tensors")
+        off, kb, vb = layout.layer_range(layer)
+        bs = layout.block_size
+        first_blk = first_tok // bs
+        per_server: dict[int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]] = {}
+        checks: list[tuple[memoryview, memoryview, bytes]] = []
+        li = layout.group_layers[g].index(layer)
+        kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
+        for blk in range(first_blk, match.blocks):
+            loc = match.objects.get((blk, g))
+            if loc is None:
+                raise IntegrityError(f"match lacks object ({blk}, {g})")
+            grants, ranges, dest = per_server.setdefault(loc.server, ([], [], []))
+            gi = len(grants)
+            grants.append(loc.grant)
+            base = loc.grant.offset + off
+            ranges.append((gi, base, kb))
+            ranges.append((gi, base + kb, vb))
+            r = blk - first_blk
+            kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
+            dest += (kd, vd)
+            checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
+        calls = []
+        for si, (grants, ranges, dest) in per_server.items():
+            conn = await self._server(match.servers[si])
+            calls.append(conn.call(wire.Read(grants, ranges), dest=dest, timeout=self.config.timeout_s))
+        await asyncio.gather(*calls)
+        for kd, vd, want in checks:
+            h = xxhash.xxh3_64(kd)
+            h.update(vd)
+            if h.digest() != want:
+                raise IntegrityError(f"layer {layer}: checksum mismatch")
+        if self.as_torch and out is None:
+            k_user, v_user = arrays.as_torch(k_arr, layout.dtype), arrays.as_torch(v_arr, layout.dtype)
+        self.counters["bytes_read"] += k_arr.nbytes + v_arr.nbytes
+        return LayerKV(layer, first_tok, k_user, v_user)
+
+    async def get(self, match: Match, out: Sequence[KVPair] | None = None) -> list[LayerKV] | None:
+        """Every layer of ``match`` (into ``out[l]`` when given), or ``None`` on a miss."""
+        self._check_open()
+        if match.blocks == 0:
+            return None
+        tasks = [
+            asyncio.create_task(self.fetch_layer(match, i, None if out is None else out[i]))
+            for i in range(match.namespace.layout.num_layers)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException as exc:
+            # Stop every read still in flight before returning: none may write into
+            # the caller's buffers after it has been told "miss".
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(exc, (GCacheError, TimeoutError)) and not isinstance(exc, LayoutError):
+                self._note_miss(exc)
+                return None
+            raise
+
+    def get_layers(self, match: Match, out: Sequence[KVPair] | None = None) -> LayerStream:
+        """Async iterator over the match's layers in model order, with
+        ``config.layers_in_flight`` layer reads ahead of the consumer."""
+        self._check_open()
+        return LayerStream(self, match, out)
+
+    def _note_miss(self, exc: BaseException) -> None:
+        kind = "integrity_errors" if isinstance(exc, IntegrityError) else "read_errors"
+        if isinstance(exc, RemoteError):
+            kind = "remote_errors"
+        self.counters[kind] += 1
+        log.warning("read failed, treating as a miss: %s", exc)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters)
+
+
+class LayerStream:
+    """Yields :class:`LayerKV` in layer order. On any store failure it stops early
+    and sets ``ok = False``: the engine must recompute (never wrong KV)."""
+
+    def __init__(self, client: AsyncGCacheClient, match: Match, out: Sequence[KVPair] | None) -> None:
+        self.client = client
+        self.match = match
+        self.out = out
+        self.ok = match.blocks > 0
+        self.error: str = "" if self.ok else "no match"
+        self._next = 0
+        self._tasks: dict[int, asyncio.Task[LayerKV]] = {}
+        self._num = match.namespace.layout.num_layers if match.blocks else 0
+
+    def _schedule(self) -> None:
+        ahead = self.client.config.layers_in_flight
+        top = min(self._num, self._next + ahead)
+        for layer in range(self._next, top):
+            if layer not in self._tasks:
+                out = None if self.out is None else self.out[layer]
+                self._tasks[layer] = asyncio.create_task(self.client.fetch_layer(self.match, layer, out))
+
+    def __aiter__(self) -> LayerStream:
+        return self
+
+    async def __anext__(self) -> LayerKV:
+        if not self.ok or self._next >= self._num:
+            raise StopAsyncIteration
+        self._schedule()
+        task = self._tasks.pop(self._next)
+        try:
+            layer = await task
+        except LayoutError:
+            self.cancel()
+            raise
+        except (GCacheError, TimeoutError) as exc:
+            self.client._note_miss(exc)
+            self.ok = False
+            self.error = str(exc)
+            self.cancel()
+            raise StopAsyncIteration from None
+        self._next += 1
+        self._schedule()
+        return layer
+
+    def cancel(self) -> None:
+        for t in self._tasks.values():
+            t.cancel()
+        self._tasks.clear()
+        self._next = self._num
+
+    async def aclose(self) -> None:
+        self.cancel()
+

@@ -1,0 +1,1 @@
+"""Generated gRPC modules (``make proto``); committed, checked by tests/unit/test_proto.py."""

@@ -1,0 +1,148 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterServerRequest(_message.Message):
+    __slots__ = ("server_id", "host", "port", "hostname", "shm_path", "capacity", "secret", "incarnation")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    host: str
+    port: int
+    hostname: str
+    shm_path: str
+    capacity: int
+    secret: bytes
+    incarnation: int
+    def __init__(self, server_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., hostname: _Optional[str] = ..., shm_path: _Optional[str] = ..., capacity: _Optional[int] = ..., secret: _Optional[bytes] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class RegisterServerReply(_message.Message):
+    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s")
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ServerCounters(_message.Message):
+    __slots__ = ("reads", "writes", "read_bytes", "write_bytes", "errors", "connections", "freed_bytes")
+    READS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reads: int
+    writes: int
+    read_bytes: int
+    write_bytes: int
+    errors: int
+    connections: int
+    freed_bytes: int
+    def __init__(self, reads: _Optional[int] = ..., writes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., errors: _Optional[int] = ..., connections: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("server_id", "incarnation", "counters")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    incarnation: int
+    counters: ServerCounters
+    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ...) -> None: ...
+
+class Range(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("reregister", "free")
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    reregister: bool
+    free: _containers.RepeatedCompositeFieldContainer[Range]
+    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
+
+class RegisterNamespaceRequest(_message.Message):
+    __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    layout_json: str
+    tp_size: int
+    tp_rank: int
+    cache_salt: str
+    kv_dtype: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout_json: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+
+class RegisterNamespaceReply(_message.Message):
+    __slots__ = ("fingerprint", "namespace_id")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    namespace_id: int
+    def __init__(self, fingerprint: _Optional[bytes] = ..., namespace_id: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("server_id", "address", "alive", "capacity", "used", "objects", "counters", "heartbeat_age_s", "shm_path")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    address: str
+    alive: bool
+    capacity: int
+    used: int
+    objects: int
+    counters: ServerCounters
+    heartbeat_age_s: float
+    shm_path: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., shm_path: _Optional[str] = ...) -> None: ...
+
+class GetStatsReply(_message.Message):
+    __slots__ = ("servers", "counters", "namespaces")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    servers: _containers.RepeatedCompositeFieldContainer[ServerStats]
+    counters: _containers.ScalarMap[str, float]
+    namespaces: int
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., namespaces: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,203 @@
+"""A local deployment: one ``gcache-meta`` and N ``gcache-server`` processes on
+loopback, started as real subprocesses. ``gcache up`` and the integration tests
+both use it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from gcache._proto import gcache_pb2 as pb
+from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.config import ClientConfig
+from gcache.errors import GCacheError
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class LocalDeployment:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        servers: int = 2,
+        capacity: str = "256MiB",
+        host: str = "127.0.0.1",
+        meta_port: int = 0,
+        grpc_port: int = 0,
+        server_ports: list[int] | None = None,
+        meta_args: list[str] | None = None,
+        server_args: list[str] | None = None,
+        log_level: str = "info",
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.n_servers = servers
+        self.capacity = capacity
+        self.host = host
+        self.meta_port = meta_port
+        self.grpc_port = grpc_port
+        self.server_ports = server_ports or [0] * servers
+        self.meta_args = meta_args or []
+        self.server_args = server_args or []
+        self.log_level = log_level
+        self.meta: Proc | None = None
+        self.servers: list[Proc] = []
+        self._logs: list[IO[bytes]] = []
+
+    # ---- start/stop ----------------------------------------------------------------
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> Proc:
+        log_path = self.data_dir / f"{name}.log"
+        fh = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._logs.append(fh)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module, "--log-level", self.log_level, *args],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return Proc(name, popen, log_path)
+
+    def _wait_ready(self, proc: Proc, ready: Path, deadline: float) -> list[str]:
+        while time.monotonic() < deadline:
+            if ready.exists():
+                return ready.read_text().split()
+            if not proc.alive:
+                raise GCacheError(
+                    f"{proc.name} exited with code {proc.popen.returncode}; see {proc.log_path}:\n"
+                    + proc.log_path.read_text()[-2000:]
+                )
+            time.sleep(0.02)
+        raise GCacheError(f"{proc.name} not ready within the timeout; see {proc.log_path}")
+
+    def start(self, timeout: float = 30.0) -> LocalDeployment:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        ready = self.data_dir / "meta.ready"
+        ready.unlink(missing_ok=True)
+        self.meta = self._spawn(
+            "meta",
+            "gcache.meta.daemon",
+            ["--host", self.host, "--port", str(self.meta_port), "--grpc-port",
+             str(self.grpc_port), "--ready-file", str(ready), *self.meta_args],
+        )
+        _, port, grpc_port = self._wait_ready(self.meta, ready, deadline)
+        self.meta.port = int(port)
+        self.meta.extra["grpc_port"] = int(grpc_port)
+        for i in range(self.n_servers):
+            self.start_server(i, deadline)
+        self.wait_servers(self.n_servers, deadline - time.monotonic())
+        return self
+
+    def start_server(self, i: int, deadline: float | None = None) -> Proc:
+        deadline = deadline or time.monotonic() + 30
+        ready = self.data_dir / f"server{i}.ready"
+        ready.unlink(missing_ok=True)
+        port = self.server_ports[i] if i < len(self.server_ports) else 0
+        proc = self._spawn(
+            f"server{i}",
+            "gcache.server.daemon",
+            ["--host", self.host, "--port", str(port), "--meta", self.meta_grpc,
+             "--capacity", self.capacity, "--server-id", f"server{i}",
+             "--heartbeat-interval-s", "0.5", "--ready-file", str(ready), *self.server_args],
+        )
+        _, p = self._wait_ready(proc, ready, deadline)
+        proc.port = int(p)
+        if i < len(self.servers):
+            self.servers[i] = proc
+        else:
+            self.servers.append(proc)
+        return proc
+
+    def wait_servers(self, n: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + max(timeout, 1.0)
+        while time.monotonic() < deadline:
+            alive = sum(1 for s in self.stats().servers if s.alive)
+            if alive == n:
+                return
+            time.sleep(0.05)
+        raise GCacheError(f"meta does not list {n} live servers in time")
+
+    def kill_server(self, i: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.servers[i]
+        proc.popen.send_signal(sig)
+        proc.popen.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
+        """SIGTERM everything (servers first), then SIGKILL what is left."""
+        codes: dict[str, int | None] = {}
+        procs = [*self.servers, *([self.meta] if self.meta else [])]
+        for p in procs:
+            if p.alive:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                codes[p.name] = p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                codes[p.name] = p.popen.wait()
+        for fh in self._logs:
+            fh.close()
+        self._logs.clear()
+        return codes
+
+    def __enter__(self) -> LocalDeployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- addresses -------------------------------------------------------------------
+
+    @property
+    def meta_addr(self) -> str:
+        assert self.meta is not None
+        return f"{self.host}:{self.meta.port}"
+
+    @property
+    def meta_grpc(self) -> str:
+        assert self.meta is not None
+        return f"{self.host}:{self.meta.extra['grpc_port']}"
+
+    def client_config(self, **kw: Any) -> ClientConfig:
+        return ClientConfig(meta=self.meta_addr, meta_grpc=self.meta_grpc, **kw)
+
+    def stats(self) -> Any:
+        return fetch_stats(self.meta_grpc)
+
+
+def fetch_stats(meta_grpc: str, timeout: float = 5.0) -> Any:
+    with grpc.insecure_channel(meta_grpc) as channel:
+        try:
+            return pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise GCacheError(f"cannot reach meta at {meta_grpc}: {exc}") from exc
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,224 @@
+"""Layout specs, layer groups, byte offsets and the SWA-aware valid-match rule.
+
+The spec is the only description of where bytes lie. A block has at most one
+*object* per layer group (all ``full`` layers, or all ``swa`` layers of one
+window). Inside an object the group's layers follow in model order, each as the
+block's K (``[block_size, kv_heads, k_head_dim]``) then V
+(``[block_size, kv_heads, v_head_dim]``), row-major, in the spec's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from importlib import resources
+from typing import Any, Final
+
+import msgspec
+
+from gcache.errors import LayoutError
+
+DTYPE_SIZES: Final[dict[str, int]] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+MAX_LAYERS: Final = 1024
+MAX_BLOCK_SIZE: Final = 4096
+
+
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: str  # "full" or "swa"
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    window: int = 0  # tokens, swa only
+
+
+class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    block_size: int
+    dtype: str
+    layers: tuple[LayerSpec, ...]
+
+
+def validate(spec: LayoutSpec) -> None:
+    """Raise :class:`LayoutError` naming the first thing wrong with ``spec``."""
+    if not 0 < spec.block_size <= MAX_BLOCK_SIZE:
+        raise LayoutError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {spec.block_size}")
+    if spec.dtype not in DTYPE_SIZES:
+        raise LayoutError(f"unknown dtype {spec.dtype!r}; known: {sorted(DTYPE_SIZES)}")
+    if not 0 < len(spec.layers) <= MAX_LAYERS:
+        raise LayoutError(f"a layout needs 1..{MAX_LAYERS} layers, got {len(spec.layers)}")
+    for i, layer in enumerate(spec.layers):
+        if layer.kind not in ("full", "swa"):
+            raise LayoutError(f"layer {i}: kind must be 'full' or 'swa', got {layer.kind!r}")
+        if layer.kind == "swa" and layer.window <= 0:
+            raise LayoutError(f"layer {i}: swa layer needs a positive window")
+        if layer.kind == "full" and layer.window != 0:
+            raise LayoutError(f"layer {i}: full layer cannot have a window")
+        for name in ("kv_heads", "k_head_dim", "v_head_dim"):
+            if not 0 < getattr(layer, name) <= 65536:
+                raise LayoutError(f"layer {i}: {name} must be in 1..65536")
+
+
+class Layout:
+    """Everything derived from a :class:`LayoutSpec`, computed once."""
+
+    __slots__ = (
+        "block_size",
+        "dtype",
+        "dtype_size",
+        "group_layers",
+        "group_names",
+        "group_object_bytes",
+        "group_tail_blocks",
+        "group_windows",
+        "layer_group",
+        "layer_k_bytes",
+        "layer_offset",
+        "layer_v_bytes",
+        "num_layers",
+        "spec",
+    )
+
+    def __init__(self, spec: LayoutSpec) -> None:
+        validate(spec)
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.dtype = spec.dtype
+        self.dtype_size = DTYPE_SIZES[spec.dtype]
+        self.num_layers = len(spec.layers)
+        windows = sorted({layer.window for layer in spec.layers})  # 0 (= full) first
+        self.group_windows: list[int] = windows
+        self.group_names = ["full" if w == 0 else f"swa{w}" for w in windows]
+        self.group_layers: list[list[int]] = [[] for _ in windows]
+        self.layer_group: list[int] = []
+        self.layer_k_bytes: list[int] = []
+        self.layer_v_bytes: list[int] = []
+        self.layer_offset: list[int] = []
+        group_fill = [0] * len(windows)
+        bs, ds = spec.block_size, self.dtype_size
+        for i, layer in enumerate(spec.layers):
+            g = windows.index(layer.window)
+            self.group_layers[g].append(i)
+            self.layer_group.append(g)
+            kb = bs * layer.kv_heads * layer.k_head_dim * ds
+            vb = bs * layer.kv_heads * layer.v_head_dim * ds
+            self.layer_k_bytes.append(kb)
+            self.layer_v_bytes.append(vb)
+            self.layer_offset.append(group_fill[g])
+            group_fill[g] += kb + vb
+        self.group_object_bytes: list[int] = group_fill
+        # Blocks before the match end whose group object must be present: all of
+        # them for full attention (None), ceil((W-1)/block_size) for a window W.
+        self.group_tail_blocks: list[int | None] = [
+            None if w == 0 else math.ceil((w - 1) / bs) for w in windows
+        ]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def groups_to_store(self, nblocks: int) -> list[int]:
+        """Strict O(W): bitmask of groups to store for each block of a P-block prefix."""
+        masks = [0] * nblocks
+        for g, tail in enumerate(self.group_tail_blocks):
+            start = 0 if tail is None else max(0, nblocks - tail)
+            bit = 1 << g
+            for i in range(start, nblocks):
+                masks[i] |= bit
+        return masks
+
+    def stored_bytes(self, nblocks: int) -> int:
+        """Bytes strict O(W) stores for a prompt of ``nblocks`` full blocks."""
+        total = 0
+        for g, tail in enumerate(self.group_tail_blocks):
+            count = nblocks if tail is None else min(tail, nblocks)
+            total += count * self.group_object_bytes[g]
+        return total
+
+    def layer_range(self, layer: int) -> tuple[int, int, int]:
+        """(offset in its group's object, K bytes, V bytes) of ``layer`` for one block."""
+        return self.layer_offset[layer], self.layer_k_bytes[layer], self.layer_v_bytes[layer]
+
+    def valid_match(self, full_blocks: int, has: Callable[[int, int], bool]) -> int:
+        """Longest valid match P (blocks) given that blocks ``[0, full_blocks)`` have
+        their full object and ``has(block, group)`` tells if a windowed group object
+        is present. Every group with a window must be present on the last
+        ``tail`` blocks before P (fewer when P is shorter than that)."""
+        windowed = [(g, t) for g, t in enumerate(self.group_tail_blocks) if t is not None]
+        p = full_blocks
+        while p > 0:
+            bad = -1
+            for g, tail in windowed:
+                for j in range(p - 1, max(p - tail, 0) - 1, -1):
+                    if not has(j, g):
+                        bad = max(bad, j)
+                        break
+            if bad < 0:
+                return p
+            p = bad
+        return 0
+
+
+def spec_from_dict(data: dict[str, Any]) -> LayoutSpec:
+    """Build a spec from either the explicit form (``block_size``, ``dtype``,
+    ``layers``) or the compact preset form of ``docs/layouts/*.json``."""
+    try:
+        if "layers" in data:
+            return msgspec.convert(data, LayoutSpec)
+        n = int(data["num_layers"])
+        full_at = data.get("full_attention_layers", "all")
+        full_set = set(range(n)) if full_at == "all" else {int(i) for i in full_at}
+        layers = []
+        for i in range(n):
+            kind = "full" if i in full_set else "swa"
+            heads = data[kind]
+            layers.append(
+                LayerSpec(
+                    kind=kind,
+                    kv_heads=int(heads["kv_heads"]),
+                    k_head_dim=int(heads["k_head_dim"]),
+                    v_head_dim=int(heads["v_head_dim"]),
+                    window=0 if kind == "full" else int(data["sliding_window"]),
+                )
+            )
+        return LayoutSpec(
+            block_size=int(data.get("block_size", 64)), dtype=str(data["dtype"]),
+            layers=tuple(layers),
+        )
+    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+        raise LayoutError(f"invalid layout description: {exc}") from exc
+
+
+PRESETS: Final = ("mimo-v2-flash", "llama-3-8b")
+
+
+def preset(name: str, block_size: int = 64) -> LayoutSpec:
+    """A built-in layout: ``mimo-v2-flash`` (hybrid SWA) or ``llama-3-8b`` (full)."""
+    if name not in PRESETS:
+        raise LayoutError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    text = resources.files("gcache.presets").joinpath(f"{name}.json").read_text()
+    data = json.loads(text)
+    data["block_size"] = block_size
+    spec = spec_from_dict(data)
+    validate(spec)
+    return spec
+
+
+def encode_spec(spec: LayoutSpec) -> bytes:
+    return msgspec.json.encode(spec)
+
+
+def decode_spec(raw: bytes | str) -> LayoutSpec:
+    try:
+        spec = msgspec.json.decode(raw, type=LayoutSpec)
+    except msgspec.DecodeError as exc:
+        raise LayoutError(f"invalid layout spec: {exc}") from exc
+    validate(spec)
+    return spec

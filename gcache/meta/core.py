@@ -1,0 +1,477 @@
+"""The meta's state machine, without I/O.
+
+:class:`MetaCore` holds membership, namespaces, the SWA-aware prefix index,
+placement (it runs each segment's allocator), pending puts, read leases and
+eviction. Every method is synchronous and takes ``now`` (monotonic seconds) so
+tests drive time directly; the asyncio layers (:mod:`.hotpath`, :mod:`.control`)
+decode requests, call in, and send back what it returns. A refusal is a
+:class:`~gcache.errors.Refusal`, which never leaves the state half-changed: every
+request is validated completely before anything is modified.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter
+from typing import Any
+
+from gcache import capability, keys, wire
+from gcache.config import MetaConfig
+from gcache.errors import (
+    E_BAD_REQUEST,
+    E_UNKNOWN_NAMESPACE,
+    E_UNKNOWN_PUT,
+    LayoutError,
+    Refusal,
+)
+from gcache.layout import Layout, LayoutSpec
+from gcache.meta.eviction import make_policy
+from gcache.meta.records import (
+    EVICTED,
+    GONE,
+    LIVE,
+    BlockEntry,
+    Lease,
+    NamespaceRecord,
+    ObjectRecord,
+    PendingPut,
+    ServerRecord,
+)
+
+MAX_NAMESPACES = 4096
+MAX_FREED_REPORT = 1 << 16
+# Capabilities expire this long before the meta reuses their memory, so a clock
+# step between meta and server cannot let a stale grant touch reused bytes.
+GRANT_MARGIN_S = 1.0
+
+
+def _wall_ms(now: float, mono_now: float, at: float) -> int:
+    """Unix ms of monotonic instant ``at``."""
+    return int((now + (at - mono_now)) * 1000)
+
+
+class MetaCore:
+    def __init__(self, cfg: MetaConfig) -> None:
+        self.cfg = cfg
+        self.namespaces: dict[bytes, NamespaceRecord] = {}
+        self.servers: dict[str, ServerRecord] = {}
+        self.puts: dict[int, PendingPut] = {}
+        self.leases: dict[int, Lease] = {}
+        self.policy = make_policy(cfg.eviction_policy)
+        self._put_ids = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self._put_heap: list[tuple[float, int]] = []
+        self._lease_heap: list[tuple[float, int]] = []
+        self.counters: Counter[str] = Counter()
+        self.entries = 0
+        self.live_objects = 0
+        self.live_bytes = 0
+        self.group_bytes: Counter[str] = Counter()
+
+    # ---- control plane -------------------------------------------------------------
+
+    def register_namespace(self, descriptor: dict[str, Any], spec: LayoutSpec) -> NamespaceRecord:
+        layout = Layout(spec)  # validates; LayoutError propagates to the caller
+        fp = keys.fingerprint(descriptor)
+        ns = self.namespaces.get(fp)
+        if ns is not None:
+            return ns
+        if len(self.namespaces) >= MAX_NAMESPACES:
+            raise LayoutError(f"too many namespaces (limit {MAX_NAMESPACES})")
+        ns = NamespaceRecord(len(self.namespaces) + 1, fp, layout, descriptor)
+        self.namespaces[fp] = ns
+        return ns
+
+    def register_server(
+        self, addr: wire.ServerAddr, secret: bytes, incarnation: int, capacity: int, now: float
+    ) -> ServerRecord:
+        old = self.servers.get(addr.server_id)
+        if old is not None and old.incarnation == incarnation and old.alive:
+            old.last_seen = now
+            return old
+        if old is not None:
+            self.drop_server(old, reason="re-registered with a new incarnation")
+        rec = ServerRecord(addr.server_id, addr, secret, incarnation, capacity, now)
+        self.servers[addr.server_id] = rec
+        self.counters["servers_registered"] += 1
+        return rec
+
+    def heartbeat(
+        self, server_id: str, incarnation: int, counters: dict[str, int], now: float
+    ) -> tuple[bool, list[tuple[int, int]]]:
+        """Returns (must re-register, ranges freed since the last heartbeat)."""
+        rec = self.servers.get(server_id)
+        if rec is None or not rec.alive or rec.incarnation != incarnation:
+            return True, []
+        rec.last_seen = now
+        rec.counters = counters
+        freed, rec.freed = rec.freed, []
+        return False, freed
+
+    def drop_server(self, rec: ServerRecord, reason: str) -> None:
+        """A server died or restarted: its DRAM is gone, so are its objects."""
+        if not rec.alive:
+            return
+        rec.alive = False
+        self.counters["servers_dropped"] += 1
+        for ns in self.namespaces.values():
+            for entry in list(ns.entries.values()):
+                for g, obj in enumerate(entry.objects):
+                    if obj is not None and obj.server is rec:
+                        self._unlink(ns, entry, g)
+                        obj.state = GONE
+                if entry.key in ns.entries:
+                    self._prune(ns, entry)
+        if self.servers.get(rec.server_id) is rec:
+            del self.servers[rec.server_id]
+        forget = getattr(self.policy, "forget_server", None)
+        if forget is not None:
+            forget(rec)
+
+    # ---- hot path: put ---------------------------------------------------------------
+
+    def _namespace(self, fp: bytes) -> NamespaceRecord:
+        ns = self.namespaces.get(fp)
+        if ns is None:
+            raise Refusal(E_UNKNOWN_NAMESPACE, "unknown namespace (register it first)")
+        return ns
+
+    def _check_keys(self, key_list: list[bytes]) -> None:
+        if len(key_list) > self.cfg.max_keys_per_request:
+            raise Refusal(
+                E_BAD_REQUEST, f"{len(key_list)} keys exceed {self.cfg.max_keys_per_request}"
+            )
+        for k in key_list:
+            if len(k) != keys.KEY_SIZE:
+                raise Refusal(E_BAD_REQUEST, f"block keys are {keys.KEY_SIZE} bytes, got {len(k)}")
+
+    def put_begin(self, req: wire.PutBegin, now: float, wall: float) -> wire.PutPlaced:
+        ns = self._namespace(req.namespace)
+        self._check_keys(req.keys)
+        if len(req.groups) != len(req.keys):
+            raise Refusal(E_BAD_REQUEST, "groups must have one bitmask per key")
+        layout = ns.layout
+        allowed = (1 << layout.num_groups) - 1
+        if any(m & ~allowed for m in req.groups):
+            raise Refusal(E_BAD_REQUEST, f"group bitmask outside {allowed:#x}")
+        put_id = next(self._put_ids)
+        deadline = now + self.cfg.put_timeout_s
+        expiry_ms = _wall_ms(wall, now, deadline - GRANT_MARGIN_S)
+        placed: list[tuple[int, int, ServerRecord, int, int]] = []
+        no_space = 0
+        entries = ns.entries
+        for i, (key, mask) in enumerate(zip(req.keys, req.groups, strict=True)):
+            if not mask:
+                continue
+            entry = entries.get(key)
+            for g in range(layout.num_groups):
+                if not mask >> g & 1:
+                    continue
+                if entry is not None and entry.objects[g] is not None:
+                    self.counters["objects_deduped"] += 1
+                    continue
+                size = layout.group_object_bytes[g]
+                where = self._allocate(size, now)
+                if where is None:
+                    no_space += 1
+                    continue
+                placed.append((i, g, where[0], where[1], size))
+        self.counters["puts_begun"] += 1
+        self.counters["objects_no_space"] += no_space
+        if not placed:
+            return wire.PutPlaced(put_id=0, placements=[], servers=[], no_space=no_space)
+        self.puts[put_id] = PendingPut(put_id, ns, list(req.keys), placed, deadline)
+        heapq.heappush(self._put_heap, (deadline, put_id))
+        index: dict[str, int] = {}
+        servers: list[wire.ServerAddr] = []
+        placements = []
+        for block, g, srv, off, size in placed:
+            si = index.get(srv.server_id)
+            if si is None:
+                si = index[srv.server_id] = len(servers)
+                servers.append(srv.addr)
+            tag = capability.mint(srv.secret, capability.KIND_WRITE, off, size, expiry_ms)
+            placements.append(wire.Placement(block, g, si, wire.Grant(off, size, expiry_ms, tag)))
+        return wire.PutPlaced(put_id, placements, servers, no_space)
+
+    def _allocate(self, size: int, now: float) -> tuple[ServerRecord, int] | None:
+        """Place ``size`` bytes on the live server with the most free space,
+        evicting there if nothing fits."""
+        live = sorted(
+            (s for s in self.servers.values() if s.alive),
+            key=lambda s: s.allocator.free_bytes,
+            reverse=True,
+        )
+        for srv in live:
+            off = srv.allocator.alloc(size)
+            if off is not None:
+                return srv, off
+        for srv in live:
+            self._evict(srv, need_contiguous=size)
+            off = srv.allocator.alloc(size)
+            if off is not None:
+                return srv, off
+        return None
+
+    def put_commit(self, req: wire.PutCommit, now: float) -> int:
+        put = self.puts.get(req.put_id)
+        if put is None:
+            raise Refusal(E_UNKNOWN_PUT, f"unknown or expired put {req.put_id}")
+        layout = put.ns.layout
+        seen: set[int] = set()
+        for pi, sums in req.done:
+            if not 0 <= pi < len(put.placements) or pi in seen:
+                raise Refusal(E_BAD_REQUEST, f"bad or repeated placement index {pi}")
+            seen.add(pi)
+            group = put.placements[pi][1]
+            want = 8 * len(layout.group_layers[group])
+            if len(sums) != want:
+                raise Refusal(E_BAD_REQUEST, f"placement {pi}: {len(sums)} checksum bytes, want {want}")
+        del self.puts[req.put_id]
+        committed = 0
+        done = dict(req.done)
+        touched: set[ServerRecord] = set()
+        for pi, (block, g, srv, off, size) in enumerate(put.placements):
+            sums = done.get(pi)
+            if sums is None or not srv.alive:
+                self._free_range(srv, off, size)
+                continue
+            entry = self._ensure_entry(put.ns, put.keys, block)
+            if entry.objects[g] is not None:  # a concurrent put committed it first
+                self._free_range(srv, off, size)
+                self.counters["objects_deduped"] += 1
+                continue
+            obj = ObjectRecord(entry, g, srv, off, size, sums, now)
+            entry.objects[g] = obj
+            srv.objects += 1
+            self.live_objects += 1
+            self.live_bytes += size
+            self.group_bytes[layout.group_names[g]] += size
+            self.policy.admit(obj, put.ns)
+            committed += 1
+            touched.add(srv)
+        self.counters["puts_committed"] += 1
+        self.counters["objects_committed"] += committed
+        for srv in touched:
+            self._check_watermark(srv)
+        return committed
+
+    def put_abort(self, put_id: int) -> bool:
+        put = self.puts.pop(put_id, None)
+        if put is None:
+            return False
+        for _, _, srv, off, size in put.placements:
+            self._free_range(srv, off, size)
+        self.counters["puts_aborted"] += 1
+        return True
+
+    def _ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
+        entries = ns.entries
+        entry = entries.get(key_list[block])
+        if entry is not None:
+            return entry
+        # Walk back to the nearest existing ancestor, then create the chain forward.
+        start = block
+        while start > 0 and key_list[start - 1] not in entries:
+            start -= 1
+        parent = entries.get(key_list[start - 1]) if start > 0 else None
+        groups = ns.layout.num_groups
+        for i in range(start, block + 1):
+            entry = BlockEntry(key_list[i], parent, i, groups)
+            entries[key_list[i]] = entry
+            self.entries += 1
+            if parent is not None:
+                parent.children += 1
+            parent = entry
+        assert entry is not None
+        return entry
+
+    # ---- hot path: lookup and leases ---------------------------------------------------
+
+    def lookup(self, req: wire.Lookup, now: float, wall: float) -> wire.LookupResult:
+        ns = self._namespace(req.namespace)
+        self._check_keys(req.keys)
+        layout = ns.layout
+        entries = ns.entries
+        fg = ns.full_group
+        chain: list[BlockEntry] = []
+        for key in req.keys:
+            e = entries.get(key)
+            if e is None or (fg is not None and e.objects[fg] is None):
+                break
+            chain.append(e)
+        p = layout.valid_match(len(chain), lambda j, g: chain[j].objects[g] is not None)
+        self.counters["lookups"] += 1
+        self.counters["lookup_blocks"] += len(req.keys)
+        self.counters["hit_blocks"] += p
+        self.counters["hit_tokens"] += p * layout.block_size
+        if p == 0 or not req.lease:
+            return wire.LookupResult(blocks=p, tokens=p * layout.block_size)
+        picked: list[ObjectRecord] = []
+        for g, tail in enumerate(layout.group_tail_blocks):
+            lo = 0 if tail is None else max(0, p - tail)
+            for j in range(lo, p):
+                obj = chain[j].objects[g]
+                assert obj is not None
+                picked.append(obj)
+        lease_id = next(self._lease_ids)
+        expiry = now + self.cfg.lease_ttl_s
+        expiry_ms = _wall_ms(wall, now, expiry - GRANT_MARGIN_S)
+        index: dict[str, int] = {}
+        servers: list[wire.ServerAddr] = []
+        locs: list[wire.ObjectLoc] = []
+        policy = self.policy
+        for obj in picked:
+            obj.pins += 1
+            obj.last_access = now
+            policy.touch(obj, ns)
+            srv = obj.server
+            si = index.get(srv.server_id)
+            if si is None:
+                si = index[srv.server_id] = len(servers)
+                servers.append(srv.addr)
+            tag = capability.mint(srv.secret, capability.KIND_READ, obj.offset, obj.length, expiry_ms)
+            grant = wire.Grant(obj.offset, obj.length, expiry_ms, tag)
+            locs.append(wire.ObjectLoc(obj.entry.pos, obj.group, si, grant, obj.sums))
+        self.leases[lease_id] = Lease(lease_id, picked, expiry)
+        heapq.heappush(self._lease_heap, (expiry, lease_id))
+        self.counters["leases_granted"] += 1
+        return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
+
+    def release(self, lease_id: int) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        for obj in lease.objects:
+            obj.pins -= 1
+            if obj.pins == 0 and obj.state == EVICTED:
+                obj.server.deferred_bytes -= obj.length
+                self._free_object(obj)
+        return True
+
+    # ---- eviction ------------------------------------------------------------------------
+
+    def _check_watermark(self, srv: ServerRecord) -> None:
+        cap = srv.allocator.capacity
+        if srv.reclaimable_used > self.cfg.high_watermark * cap:
+            self._evict(srv, target_used=int(self.cfg.low_watermark * cap))
+
+    def _evict(self, srv: ServerRecord, target_used: int = -1, need_contiguous: int = 0) -> int:
+        """Evict from ``srv`` until its reclaimable usage is at most ``target_used``
+        or a ``need_contiguous``-byte allocation would fit. Returns objects evicted."""
+        evicted = 0
+        for obj, ns in self.policy.candidates(srv):
+            entry = obj.entry
+            if obj.group == ns.full_group:
+                # Without its full object a block serves no match: take all of it.
+                for g in range(len(entry.objects)):
+                    if entry.objects[g] is not None:
+                        self._evict_object(ns, entry, g)
+                        evicted += 1
+            else:
+                self._evict_object(ns, entry, obj.group)
+                evicted += 1
+            if entry.key in ns.entries:
+                self._prune(ns, entry)
+            if need_contiguous and srv.allocator.largest_free() >= need_contiguous:
+                break
+            if target_used >= 0 and srv.reclaimable_used <= target_used:
+                break
+        return evicted
+
+    def _evict_object(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> None:
+        obj = self._unlink(ns, entry, g)
+        self.counters["evictions"] += 1
+        self.counters["evicted_bytes"] += obj.length
+        if obj.pins > 0:
+            obj.state = EVICTED
+            obj.server.deferred_bytes += obj.length
+        else:
+            self._free_object(obj)
+
+    def _unlink(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> ObjectRecord:
+        obj = entry.objects[g]
+        assert obj is not None
+        entry.objects[g] = None
+        obj.server.objects -= 1
+        self.live_objects -= 1
+        self.live_bytes -= obj.length
+        self.group_bytes[ns.layout.group_names[g]] -= obj.length
+        obj.state = EVICTED
+        return obj
+
+    def _prune(self, ns: NamespaceRecord, entry: BlockEntry | None) -> None:
+        """Drop empty childless entries, walking up; tell the policy about new leaves."""
+        while entry is not None and entry.children == 0 and entry.empty():
+            del ns.entries[entry.key]
+            self.entries -= 1
+            parent = entry.parent
+            if parent is None:
+                return
+            parent.children -= 1
+            if parent.children == 0:
+                self.policy.became_leaf(parent, ns)
+            entry = parent
+
+    def _free_object(self, obj: ObjectRecord) -> None:
+        obj.state = GONE
+        self._free_range(obj.server, obj.offset, obj.length)
+
+    def _free_range(self, srv: ServerRecord, offset: int, length: int) -> None:
+        if not srv.alive:
+            return
+        srv.allocator.free(offset)
+        if len(srv.freed) < MAX_FREED_REPORT:
+            srv.freed.append((offset, length))
+
+    # ---- time ----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Expire leases and abandoned puts, drop silent servers, enforce watermarks."""
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            _, lease_id = heapq.heappop(self._lease_heap)
+            if self.release(lease_id):
+                self.counters["leases_expired"] += 1
+        while self._put_heap and self._put_heap[0][0] <= now:
+            _, put_id = heapq.heappop(self._put_heap)
+            if self.put_abort(put_id):
+                self.counters["puts_reclaimed"] += 1
+        for srv in list(self.servers.values()):
+            if now - srv.last_seen > self.cfg.heartbeat_timeout_s:
+                self.drop_server(srv, reason="missed heartbeats")
+            else:
+                self._check_watermark(srv)
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.counters)
+        out.update(
+            namespaces=len(self.namespaces),
+            servers=sum(1 for s in self.servers.values() if s.alive),
+            index_entries=self.entries,
+            objects=self.live_objects,
+            bytes_stored=self.live_bytes,
+            pending_puts=len(self.puts),
+            active_leases=len(self.leases),
+            capacity=sum(s.allocator.capacity for s in self.servers.values()),
+            used=sum(s.allocator.used for s in self.servers.values()),
+        )
+        for name, val in self.group_bytes.items():
+            out[f"bytes_stored_{name}"] = val
+        lookups = self.counters["lookup_blocks"]
+        out["block_hit_rate"] = self.counters["hit_blocks"] / lookups if lookups else 0.0
+        return out
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"MetaCore(servers={s['servers']}, namespaces={s['namespaces']}, "
+            f"objects={s['objects']}, bytes={s['bytes_stored']})"
+        )
+
+
+def wall_now() -> float:
+    return time.time()

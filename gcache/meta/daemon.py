@@ -1,0 +1,98 @@
+"""``gcache-meta``: the metadata service (hot path on framed TCP, control on gRPC)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+import grpc
+
+from gcache import config as cfgmod
+from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.config import MetaConfig
+from gcache.errors import GCacheError
+from gcache.meta.control import ControlService
+from gcache.meta.core import MetaCore
+from gcache.meta.hotpath import HotPathServer
+from gcache.server.daemon import install_uvloop, setup_logging
+
+log = logging.getLogger("gcache.meta")
+TICK_S = 0.1
+
+
+async def run(cfg: MetaConfig) -> None:
+    core = MetaCore(cfg)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((cfg.host, cfg.port))
+    listener.listen(1024)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    hot = HotPathServer(core, listener)
+
+    grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ControlServicer_to_server(ControlService(core), grpc_server)
+    grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    if grpc_port == 0:
+        raise GCacheError(f"cannot bind gRPC port {cfg.host}:{cfg.grpc_port}")
+    await grpc_server.start()
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                core.tick(time.monotonic())
+            except Exception:
+                log.exception("tick failed")
+
+    tasks = [asyncio.create_task(hot.accept_loop()), asyncio.create_task(ticker())]
+    log.info("gcache-meta: hot path on %s:%d, gRPC on %s:%d", cfg.host, port, cfg.host, grpc_port)
+    if cfg.ready_file:
+        with open(cfg.ready_file + ".tmp", "w") as fh:
+            fh.write(f"{cfg.host} {port} {grpc_port}\n")
+        os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
+    try:
+        await stopping.wait()
+    finally:
+        log.info("gcache-meta stopping: %r", core)
+        for t in tasks:
+            t.cancel()
+        await hot.close()
+        await grpc_server.stop(grace=0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="gcache-meta",
+        description="GCache metadata service: server membership, namespaces, the SWA-aware "
+        "prefix index, placement, leases and eviction. Hot path on framed TCP, control "
+        "plane on gRPC.",
+    )
+    cfgmod.add_arguments(parser, MetaConfig)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = cfgmod.from_args(MetaConfig, args)
+    except GCacheError as exc:
+        parser.error(str(exc))
+    install_uvloop()
+    try:
+        asyncio.run(run(cfg))
+    except GCacheError as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from exc
+
+
+if __name__ == "__main__":
+    main()

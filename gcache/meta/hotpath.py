@@ -1,0 +1,91 @@
+"""The meta's hot path: framed TCP (same wire module as the data plane) driving
+:class:`~gcache.meta.core.MetaCore`. One request, one reply, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+from gcache import wire
+from gcache.errors import E_BAD_REQUEST, E_INTERNAL, GCacheError, ProtocolError, Refusal
+from gcache.meta.core import MetaCore
+from gcache.transport.stream import FrameStream
+
+log = logging.getLogger("gcache.meta.hotpath")
+
+
+def dispatch(core: MetaCore, msg_type: int, msg: Any) -> wire.Msg:
+    """Run one decoded request against the core; returns the reply body."""
+    now, wall = time.monotonic(), time.time()
+    if msg_type == wire.T_LOOKUP:
+        return core.lookup(msg, now, wall)
+    if msg_type == wire.T_PUT_BEGIN:
+        return core.put_begin(msg, now, wall)
+    if msg_type == wire.T_PUT_COMMIT:
+        return wire.Ok(core.put_commit(msg, now))
+    if msg_type == wire.T_PUT_ABORT:
+        return wire.Ok(int(core.put_abort(msg.put_id)))
+    if msg_type == wire.T_RELEASE:
+        return wire.Ok(int(core.release(msg.lease_id)))
+    if msg_type == wire.T_PING:
+        return wire.Ok(0)
+    raise Refusal(E_BAD_REQUEST, f"message type {msg_type} not served by the meta")
+
+
+class HotPathServer:
+    def __init__(self, core: MetaCore, listener: socket.socket) -> None:
+        self.core = core
+        self.listener = listener
+        self.connections: set[asyncio.Task[None]] = set()
+        self.protocol_errors = 0
+
+    async def serve_connection(self, sock: socket.socket) -> None:
+        stream = FrameStream(sock)
+        core = self.core
+        try:
+            while True:
+                frame = await stream.recv_frame()
+                if frame is None:
+                    return
+                head, msg = frame
+                try:
+                    reply = dispatch(core, head.msg_type, msg)
+                except Refusal as r:
+                    core.counters["refused"] += 1
+                    reply = wire.Error(r.code, r.message)
+                except Exception as exc:  # a bug must not take the meta down
+                    log.exception("internal error handling message type %d", head.msg_type)
+                    reply = wire.Error(E_INTERNAL, f"internal error: {exc!r}")
+                await stream.send_msg(reply, head.req_id)
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            core.counters["protocol_errors"] += 1
+            log.warning("closing hot-path connection from %s: %s", stream.peer, exc)
+        except GCacheError as exc:
+            log.debug("hot-path connection from %s ended: %s", stream.peer, exc)
+        finally:
+            stream.close()
+
+    async def accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self.listener)
+            except OSError as exc:
+                if self.listener.fileno() < 0:
+                    return
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            task = asyncio.create_task(self.serve_connection(sock))
+            self.connections.add(task)
+            task.add_done_callback(self.connections.discard)
+
+    async def close(self) -> None:
+        self.listener.close()
+        for t in self.connections:
+            t.cancel()
+        await asyncio.gather(*self.connections, return_exceptions=True)

@@ -1,0 +1,157 @@
+"""The meta's per-block, per-object, per-server and per-lease records.
+
+Compact on purpose (``__slots__``, no per-object dicts): the index of a fleet holds
+tens of millions of objects. A :class:`BlockEntry` is one keyed block of one
+namespace with a parent link; it holds at most one :class:`ObjectRecord` per layout
+group. Counters are maintained incrementally, never by rescanning.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from gcache import wire
+from gcache.layout import Layout
+from gcache.storage.allocator import SegmentAllocator
+
+LIVE: Final = 0  # in the index, readable
+EVICTED: Final = 1  # out of the index, memory held until its leases end
+GONE: Final = 2  # memory freed (or its server died)
+
+
+class ObjectRecord:
+    __slots__ = (
+        "entry",
+        "group",
+        "last_access",
+        "length",
+        "offset",
+        "pins",
+        "server",
+        "state",
+        "sums",
+    )
+
+    def __init__(
+        self,
+        entry: BlockEntry,
+        group: int,
+        server: ServerRecord,
+        offset: int,
+        length: int,
+        sums: bytes,
+        now: float,
+    ) -> None:
+        self.entry = entry
+        self.group = group
+        self.server = server
+        self.offset = offset
+        self.length = length
+        self.sums = sums
+        self.pins = 0
+        self.state = LIVE
+        self.last_access = now
+
+    def __repr__(self) -> str:
+        return (
+            f"ObjectRecord(pos={self.entry.pos}, group={self.group}, "
+            f"server={self.server.server_id}, offset={self.offset}, length={self.length}, "
+            f"pins={self.pins}, state={self.state})"
+        )
+
+
+class BlockEntry:
+    __slots__ = ("children", "key", "objects", "parent", "pos")
+
+    def __init__(self, key: bytes, parent: BlockEntry | None, pos: int, groups: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.pos = pos
+        self.children = 0
+        self.objects: list[ObjectRecord | None] = [None] * groups
+
+    def empty(self) -> bool:
+        return all(o is None for o in self.objects)
+
+
+class NamespaceRecord:
+    __slots__ = ("descriptor", "entries", "fingerprint", "full_group", "layout", "ns_id")
+
+    def __init__(self, ns_id: int, fingerprint: bytes, layout: Layout, descriptor: dict[str, object]):
+        self.ns_id = ns_id
+        self.fingerprint = fingerprint
+        self.layout = layout
+        self.descriptor = descriptor
+        self.entries: dict[bytes, BlockEntry] = {}
+        tails = layout.group_tail_blocks
+        self.full_group: int | None = tails.index(None) if None in tails else None
+
+
+class ServerRecord:
+    __slots__ = (
+        "addr",
+        "alive",
+        "allocator",
+        "counters",
+        "deferred_bytes",
+        "freed",
+        "incarnation",
+        "last_seen",
+        "objects",
+        "secret",
+        "server_id",
+    )
+
+    def __init__(
+        self,
+        server_id: str,
+        addr: wire.ServerAddr,
+        secret: bytes,
+        incarnation: int,
+        capacity: int,
+        now: float,
+    ) -> None:
+        self.server_id = server_id
+        self.addr = addr
+        self.secret = secret
+        self.incarnation = incarnation
+        self.allocator = SegmentAllocator(capacity)
+        self.last_seen = now
+        self.alive = True
+        self.objects = 0
+        # Bytes of evicted objects still pinned by leases: allocated, not reclaimable.
+        self.deferred_bytes = 0
+        # Ranges freed since the last heartbeat, reported to the server (bounded).
+        self.freed: list[tuple[int, int]] = []
+        self.counters: dict[str, int] = {}
+
+    @property
+    def reclaimable_used(self) -> int:
+        return self.allocator.used - self.deferred_bytes
+
+
+class PendingPut:
+    __slots__ = ("deadline", "keys", "ns", "placements", "put_id")
+
+    def __init__(
+        self,
+        put_id: int,
+        ns: NamespaceRecord,
+        keys: list[bytes],
+        placements: list[tuple[int, int, ServerRecord, int, int]],
+        deadline: float,
+    ) -> None:
+        self.put_id = put_id
+        self.ns = ns
+        self.keys = keys
+        self.placements = placements  # (block, group, server, offset, length)
+        self.deadline = deadline
+
+
+class Lease:
+    __slots__ = ("expiry", "lease_id", "objects")
+
+    def __init__(self, lease_id: int, objects: list[ObjectRecord], expiry: float) -> None:
+        self.lease_id = lease_id
+        self.objects = objects
+        self.expiry = expiry

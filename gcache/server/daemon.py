@@ -1,0 +1,272 @@
+"""``gcache-server``: one DRAM segment served over the framed TCP data plane.
+
+Structure (uvicorn-style): :class:`StorageServer` owns the listening socket, the
+per-connection tasks and the control loop (register + heartbeat over gRPC);
+:class:`~gcache.server.core.DataPlaneCore` decides; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from typing import Any
+
+import grpc
+
+from gcache import config as cfgmod
+from gcache import wire
+from gcache._proto import gcache_pb2 as pb
+from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.config import ServerConfig
+from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal
+from gcache.server.core import DataPlaneCore
+from gcache.storage.segment import Segment
+from gcache.transport.stream import FrameStream
+
+log = logging.getLogger("gcache.server")
+
+# A refused WRITE's payload is drained (keeping the connection) up to this size;
+# past it the connection is closed instead of reading gigabytes of junk.
+_MAX_DRAIN = 64 << 20
+
+
+class StorageServer:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.secret = os.urandom(16)
+        self.incarnation = random.getrandbits(63)
+        self.segment: Segment | None = None
+        self.core: DataPlaneCore | None = None
+        self.listener: socket.socket | None = None
+        self.server_id = cfg.server_id
+        self.port = cfg.port
+        self.connections: set[asyncio.Task[None]] = set()
+        self.total_connections = 0
+        self.protocol_errors = 0
+        self._stopping = asyncio.Event()
+
+    # ---- data plane --------------------------------------------------------------
+
+    async def serve_connection(self, sock: socket.socket) -> None:
+        stream = FrameStream(sock)
+        core = self.core
+        assert core is not None
+        try:
+            while True:
+                head = await stream.recv_head()
+                if head is None:
+                    return
+                msg = await stream.recv_body(head)
+                now_ms = int(time.time() * 1000)
+                if head.msg_type == wire.T_WRITE:
+                    try:
+                        target = core.write_target(msg, head.payload_len, now_ms)
+                    except Refusal as r:
+                        log.info("refused WRITE from %s: %s", stream.peer, r.message)
+                        if head.payload_len > _MAX_DRAIN:
+                            await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
+                            return
+                        await stream.discard(head.payload_len)
+                        await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
+                        continue
+                    await stream.recv_into(target)
+                    await stream.send_msg(wire.Ok(head.payload_len), head.req_id)
+                elif head.msg_type == wire.T_READ:
+                    try:
+                        views, total = core.read_views(msg, now_ms)
+                    except Refusal as r:
+                        log.info("refused READ from %s: %s", stream.peer, r.message)
+                        await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
+                        continue
+                    await stream.send_msg(wire.ReadData(total), head.req_id, views, total)
+                elif head.msg_type == wire.T_PING:
+                    await stream.send_msg(wire.Ok(0), head.req_id)
+                else:
+                    await stream.send_msg(
+                        wire.Error(E_BAD_REQUEST, f"message type {head.msg_type} not served here"),
+                        head.req_id,
+                    )
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            log.warning("closing connection from %s: protocol error: %s", stream.peer, exc)
+        except GCacheError as exc:
+            log.info("connection from %s ended: %s", stream.peer, exc)
+        finally:
+            stream.close()
+
+    async def accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self.listener)
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            self.total_connections += 1
+            task = asyncio.create_task(self.serve_connection(sock))
+            self.connections.add(task)
+            task.add_done_callback(self.connections.discard)
+
+    # ---- control plane -----------------------------------------------------------
+
+    def _counters(self) -> pb.ServerCounters:
+        core = self.core
+        assert core is not None
+        return pb.ServerCounters(
+            reads=core.reads,
+            writes=core.writes,
+            read_bytes=core.bytes_read,
+            write_bytes=core.bytes_written,
+            errors=core.refused + self.protocol_errors,
+            connections=len(self.connections),
+            freed_bytes=core.freed_bytes,
+        )
+
+    async def register(self, stub: Any) -> float:
+        assert self.segment is not None
+        req = pb.RegisterServerRequest(
+            server_id=self.server_id,
+            host=self.cfg.host,
+            port=self.port,
+            hostname=socket.gethostname(),
+            shm_path=self.segment.path,
+            capacity=self.segment.capacity,
+            secret=self.secret,
+            incarnation=self.incarnation,
+        )
+        delay = 0.1
+        while not self._stopping.is_set():
+            try:
+                reply = await stub.RegisterServer(req, timeout=5.0)
+                log.info("registered with meta %s as %s", self.cfg.meta, self.server_id)
+                return float(reply.heartbeat_interval_s) or self.cfg.heartbeat_interval_s
+            except grpc.aio.AioRpcError as exc:
+                log.warning("register with meta %s failed: %s", self.cfg.meta, exc.details())
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        return self.cfg.heartbeat_interval_s
+
+    async def control_loop(self, ready: asyncio.Event) -> None:
+        async with grpc.aio.insecure_channel(self.cfg.meta) as channel:
+            stub = pb_grpc.ControlStub(channel)
+            await self.register(stub)
+            ready.set()
+            interval = self.cfg.heartbeat_interval_s
+            while not self._stopping.is_set():
+                try:
+                    await asyncio.wait_for(self._stopping.wait(), interval)
+                    return
+                except TimeoutError:
+                    pass
+                try:
+                    reply = await stub.Heartbeat(
+                        pb.HeartbeatRequest(
+                            server_id=self.server_id,
+                            incarnation=self.incarnation,
+                            counters=self._counters(),
+                        ),
+                        timeout=max(interval, 1.0),
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("heartbeat failed: %s", exc.details())
+                    continue
+                assert self.core is not None
+                for r in reply.free:
+                    self.core.free(r.offset, r.length)
+                if reply.reregister:
+                    log.warning("meta does not know this server; registering again")
+                    await self.register(stub)
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((cfg.host, cfg.port))
+        self.listener.listen(512)
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        if not self.server_id:
+            self.server_id = f"{socket.gethostname()}:{self.port}"
+        path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
+        self.segment = Segment(path, cfg.capacity_bytes, populate=cfg.populate)
+        self.core = DataPlaneCore(self.segment, self.secret)
+        log.info(
+            "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
+            self.server_id, self.segment.capacity, path, cfg.host, self.port,
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopping.set)
+        ready = asyncio.Event()
+        tasks = [
+            asyncio.create_task(self.accept_loop()),
+            asyncio.create_task(self.control_loop(ready)),
+        ]
+        try:
+            await asyncio.wait(
+                [asyncio.create_task(ready.wait()), asyncio.create_task(self._stopping.wait())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if ready.is_set() and cfg.ready_file:
+                with open(cfg.ready_file + ".tmp", "w") as fh:
+                    fh.write(f"{cfg.host} {self.port}\n")
+                os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
+            await self._stopping.wait()
+        finally:
+            log.info("gcache-server %s stopping", self.server_id)
+            self.listener.close()
+            for t in [*tasks, *self.connections]:
+                t.cancel()
+            await asyncio.gather(*tasks, *self.connections, return_exceptions=True)
+            self.segment.close()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def install_uvloop() -> None:
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="gcache-server",
+        description="GCache storage daemon: one DRAM segment in shared memory served "
+        "over framed TCP; registers with and heartbeats to gcache-meta.",
+    )
+    cfgmod.add_arguments(parser, ServerConfig)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        cfg = cfgmod.from_args(ServerConfig, args)
+    except GCacheError as exc:
+        parser.error(str(exc))
+    install_uvloop()
+    try:
+        asyncio.run(StorageServer(cfg).run())
+    except GCacheError as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from exc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The one wire module: frame header, message bodies, encode/decode. No I/O.
+
+A frame is ``header | body | payload``:
+
+* header: ``HEADER`` (24 bytes, network order): magic ``b"GC"``, version, message
+  type, flags, reserved, request id, body length, payload length;
+* body: one typed MessagePack struct (``msgspec``), chosen by the message type;
+* payload: raw bytes (``WRITE`` requests and ``READ`` replies only), never decoded,
+  moved straight between sockets and the segment.
+
+The data plane (``gcache-server``) and the meta's hot path share this module.
+Decoding validates everything a peer controls; any violation raises
+:class:`~gcache.errors.ProtocolError`, after which the connection is closed.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Final
+
+import msgspec
+
+from gcache.errors import ProtocolError
+
+MAGIC: Final = 0x4743  # "GC"
+VERSION: Final = 1
+HEADER: Final = struct.Struct("!HBBHHIIQ")
+HEADER_SIZE: Final = HEADER.size
+MAX_BODY: Final = 32 << 20
+MAX_PAYLOAD: Final = 4 << 30
+
+# Message types. Requests are odd-free; replies use their own numbers.
+T_ERROR: Final = 1
+T_OK: Final = 2
+T_PING: Final = 3
+T_WRITE: Final = 10
+T_READ: Final = 11
+T_READ_DATA: Final = 12
+T_PUT_BEGIN: Final = 20
+T_PUT_PLACED: Final = 21
+T_PUT_COMMIT: Final = 22
+T_PUT_ABORT: Final = 23
+T_LOOKUP: Final = 24
+T_LOOKUP_RESULT: Final = 25
+T_RELEASE: Final = 26
+
+
+class Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
+    """Base of every body; array-encoded to keep frames small."""
+
+
+# ---- generic -------------------------------------------------------------------
+
+
+class Error(Msg):
+    code: int
+    message: str
+
+
+class Ok(Msg):
+    value: int = 0
+
+
+class Ping(Msg):
+    pass
+
+
+# ---- data plane ------------------------------------------------------------------
+
+
+class Grant(Msg):
+    """A capability minted by the meta: access to ``[offset, offset+length)`` until
+    ``expiry_ms`` (unix ms), authenticated by ``tag`` (keyed BLAKE2b, see
+    :mod:`gcache.capability`)."""
+
+    offset: int
+    length: int
+    expiry_ms: int
+    tag: bytes
+
+
+class Write(Msg):
+    """Write ``payload`` (exactly ``grant.length`` bytes) at ``grant.offset``."""
+
+    grant: Grant
+
+
+class Read(Msg):
+    """Scatter-gather read. ``ranges`` are ``(grant index, offset, length)`` with the
+    offset absolute in the segment; the reply payload is the ranges in order."""
+
+    grants: list[Grant]
+    ranges: list[tuple[int, int, int]]
+
+
+class ReadData(Msg):
+    total: int
+
+
+# ---- meta hot path ----------------------------------------------------------------
+
+
+class ServerAddr(Msg):
+    server_id: str
+    host: str
+    port: int
+    hostname: str
+    shm_path: str
+
+
+class PutBegin(Msg):
+    """Chained keys of the prompt's blocks from block 0, and for each block a bitmask
+    of the layout groups the client offers to store."""
+
+    namespace: bytes
+    keys: list[bytes]
+    groups: list[int]
+
+
+class Placement(Msg):
+    block: int
+    group: int
+    server: int  # index into ``PutPlaced.servers``
+    grant: Grant
+
+
+class PutPlaced(Msg):
+    put_id: int
+    placements: list[Placement]
+    servers: list[ServerAddr]
+    no_space: int = 0
+
+
+class PutCommit(Msg):
+    """``done``: (placement index, per-layer xxh3-64 checksums, 8 bytes each)."""
+
+    put_id: int
+    done: list[tuple[int, bytes]]
+
+
+class PutAbort(Msg):
+    put_id: int
+
+
+class Lookup(Msg):
+    namespace: bytes
+    keys: list[bytes]
+    lease: bool = False
+
+
+class ObjectLoc(Msg):
+    block: int
+    group: int
+    server: int
+    grant: Grant
+    sums: bytes
+
+
+class LookupResult(Msg):
+    blocks: int
+    tokens: int
+    lease_id: int = 0
+    objects: list[ObjectLoc] = []
+    servers: list[ServerAddr] = []
+
+
+class Release(Msg):
+    lease_id: int
+
+
+BODY_TYPES: Final[dict[int, type[Msg]]] = {
+    T_ERROR: Error,
+    T_OK: Ok,
+    T_PING: Ping,
+    T_WRITE: Write,
+    T_READ: Read,
+    T_READ_DATA: ReadData,
+    T_PUT_BEGIN: PutBegin,
+    T_PUT_PLACED: PutPlaced,
+    T_PUT_COMMIT: PutCommit,
+    T_PUT_ABORT: PutAbort,
+    T_LOOKUP: Lookup,
+    T_LOOKUP_RESULT: LookupResult,
+    T_RELEASE: Release,
+}
+TYPE_OF: Final[dict[type[Msg], int]] = {v: k for k, v in BODY_TYPES.items()}
+_DECODERS: Final = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}
+# Frames that may carry a payload; any other frame with payload_len > 0 is rejected.
+PAYLOAD_TYPES: Final = frozenset({T_WRITE, T_READ_DATA})
+
+
+class FrameHead(msgspec.Struct, frozen=True):
+    msg_type: int
+    flags: int
+    req_id: int
+    body_len: int
+    payload_len: int
+
+
+def parse_header(buf: bytes | bytearray | memoryview) -> FrameHead:
+    """Validate and unpack one header. Raises :class:`ProtocolError`."""
+    if len(buf) < HEADER_SIZE:
+        raise ProtocolError(f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
+    magic, version, msg_type, flags, _res, req_id, body_len, payload_len = HEADER.unpack_from(
+        buf
+    )
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:04x}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (speaks {VERSION})")
+    if msg_type not in BODY_TYPES:
+        raise ProtocolError(f"unknown message type {msg_type}")
+    if body_len > MAX_BODY:
+        raise ProtocolError(f"body length {body_len} exceeds {MAX_BODY}")
+    if payload_len and msg_type not in PAYLOAD_TYPES:
+        raise ProtocolError(f"message type {msg_type} cannot carry a payload")
+    if payload_len > MAX_PAYLOAD:
+        raise ProtocolError(f"payload length {payload_len} exceeds {MAX_PAYLOAD}")
+    return FrameHead(msg_type, flags, req_id, body_len, payload_len)
+
+
+def decode_body(msg_type: int, body: bytes | bytearray | memoryview) -> Any:
+    """Decode and type-check a body for ``msg_type``. Raises :class:`ProtocolError`."""
+    try:
+        return _DECODERS[msg_type].decode(body)
+    except (msgspec.DecodeError, KeyError) as exc:
+        raise ProtocolError(f"bad body for message type {msg_type}: {exc}") from exc
+
+
+class FrameEncoder:
+    """Packs header + body into one reused buffer (no per-frame allocation)."""
+
+    __slots__ = ("_buf", "_enc")
+
+    def __init__(self, initial: int = 4096) -> None:
+        self._buf = bytearray(initial)
+        self._enc = msgspec.msgpack.Encoder()
+
+    def encode(self, msg: Msg, req_id: int = 0, payload_len: int = 0) -> memoryview:
+        """Return a view of ``header|body``. Valid until the next ``encode`` call."""
+        buf = self._buf
+        self._enc.encode_into(msg, buf, HEADER_SIZE)
+        body_len = len(buf) - HEADER_SIZE
+        HEADER.pack_into(
+            buf, 0, MAGIC, VERSION, TYPE_OF[type(msg)], 0, 0, req_id, body_len, payload_len
+        )
+        return memoryview(buf)[: HEADER_SIZE + body_len]
+
+    def encode_bytes(self, msg: Msg, req_id: int = 0, payload_len: int = 0) -> bytes:
+        """Like :meth:`encode` but returns an owned copy (for queued frames)."""
+        with self.encode(msg, req_id, payload_len) as view:
+            return bytes(view)
+
+
+def pack_frame(msg: Msg, req_id: int = 0, payload_len: int = 0) -> bytes:
+    """One-off frame as bytes (tests, tools). Hot paths use :class:`FrameEncoder`."""
+    return FrameEncoder(256).encode_bytes(msg, req_id, payload_len)
