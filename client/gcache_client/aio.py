@@ -28,7 +28,7 @@ from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.config import ClientConfig
 from gcache.errors import ClosedError, GCacheError, IntegrityError, LayoutError, RemoteError
 from gcache_client import arrays
-from gcache_client.conn import PipelinedConn
+from gcache_client.conn import PipelinedConn, gather_or_cancel
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 
 log = logging.getLogger("gcache.client")
@@ -350,11 +350,13 @@ class AsyncGCacheClient:
             kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
             dest += (kd, vd)
             checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
-        calls = []
-        for si, (grants, ranges, dest) in per_server.items():
-            conn = await self._server(match.servers[si])
-            calls.append(conn.call(wire.Read(grants, ranges), dest=dest, timeout=self.config.timeout_s))
-        await asyncio.gather(*calls)
+        conns = {si: await self._server(match.servers[si]) for si in per_server}
+        await gather_or_cancel(
+            *(
+                conns[si].call(wire.Read(grants, ranges), dest=dest, timeout=self.config.timeout_s)
+                for si, (grants, ranges, dest) in per_server.items()
+            )
+        )
         for kd, vd, want in checks:
             h = xxhash.xxh3_64(kd)
             h.update(vd)
@@ -370,22 +372,17 @@ class AsyncGCacheClient:
         self._check_open()
         if match.blocks == 0:
             return None
-        tasks = [
-            asyncio.create_task(self.fetch_layer(match, i, None if out is None else out[i]))
+        reads = (
+            self.fetch_layer(match, i, None if out is None else out[i])
             for i in range(match.namespace.layout.num_layers)
-        ]
+        )
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException as exc:
-            # Stop every read still in flight before returning: none may write into
-            # the caller's buffers after it has been told "miss".
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if isinstance(exc, (GCacheError, TimeoutError)) and not isinstance(exc, LayoutError):
-                self._note_miss(exc)
-                return None
+            return await gather_or_cancel(*reads)
+        except LayoutError:
             raise
+        except (GCacheError, TimeoutError) as exc:
+            self._note_miss(exc)
+            return None
 
     def get_layers(self, match: Match, out: Sequence[KVPair] | None = None) -> LayerStream:
         """Async iterator over the match's layers in model order, with
@@ -437,24 +434,25 @@ class LayerStream:
         try:
             layer = await task
         except LayoutError:
-            self.cancel()
+            await self.aclose()
             raise
         except (GCacheError, TimeoutError) as exc:
             self.client._note_miss(exc)
             self.ok = False
             self.error = str(exc)
-            self.cancel()
+            await self.aclose()
             raise StopAsyncIteration from None
         self._next += 1
         self._schedule()
         return layer
 
-    def cancel(self) -> None:
-        for t in self._tasks.values():
-            t.cancel()
+    async def aclose(self) -> None:
+        """Stop the reads still in flight and wait until they can no longer write
+        into any buffer."""
+        tasks = list(self._tasks.values())
         self._tasks.clear()
         self._next = self._num
-
-    async def aclose(self) -> None:
-        self.cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -12,12 +12,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
 from gcache import wire
 from gcache.errors import ClosedError, ConnectionLost, GCacheError, ProtocolError, remote_error
 from gcache.transport.stream import Buffer, FrameStream
+
+T = TypeVar("T")
+
+
+async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
+    """Like ``asyncio.gather`` but on the first failure (or cancellation) cancels and
+    awaits the rest, so no read keeps writing into buffers after we return."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class PipelinedConn:
