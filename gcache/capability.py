@@ -27,9 +27,7 @@ def mint(secret: bytes, kind: bytes, offset: int, length: int, expiry_ms: int) -
     ).digest()
 
 
-def check(
-    secret: bytes, kind: bytes, offset: int, length: int, expiry_ms: int, tag: bytes
-) -> bool:
+def check(secret: bytes, kind: bytes, offset: int, length: int, expiry_ms: int, tag: bytes) -> bool:
     """Constant-time comparison of a presented tag with the expected one."""
     import hmac
 

@@ -160,8 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if f.type == "bool":
-            parser.add_argument(flag, dest=f.name, action="store_true", default=None,
-                                help=help_text)
+            parser.add_argument(
+                flag, dest=f.name, action="store_true", default=None, help=help_text
+            )
         else:
             parser.add_argument(flag, dest=f.name, default=None, help=help_text)
 

@@ -189,7 +189,8 @@ def spec_from_dict(data: dict[str, Any]) -> LayoutSpec:
                 )
             )
         return LayoutSpec(
-            block_size=int(data.get("block_size", 64)), dtype=str(data["dtype"]),
+            block_size=int(data.get("block_size", 64)),
+            dtype=str(data["dtype"]),
             layers=tuple(layers),
         )
     except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:

@@ -201,9 +201,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> FrameHead:
     """Validate and unpack one header. Raises :class:`ProtocolError`."""
     if len(buf) < HEADER_SIZE:
         raise ProtocolError(f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
-    magic, version, msg_type, flags, _res, req_id, body_len, payload_len = HEADER.unpack_from(
-        buf
-    )
+    magic, version, msg_type, flags, _res, req_id, body_len, payload_len = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic 0x{magic:04x}")
     if version != VERSION:

@@ -32,7 +32,10 @@ def generate(out_dir: Path) -> None:
     grpc_mod = out_dir / "gcache_pb2_grpc.py"
     text = grpc_mod.read_text()
     grpc_mod.write_text(
-        text.replace("import gcache_pb2 as gcache__pb2", "from gcache._proto import gcache_pb2 as gcache__pb2")
+        text.replace(
+            "import gcache_pb2 as gcache__pb2",
+            "from gcache._proto import gcache_pb2 as gcache__pb2",
+        )
     )
 
 

@@ -8,8 +8,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gcache.cli.deploy import LocalDeployment  # noqa: E402
-from gcache_client import GCacheClient  # noqa: E402
+from gcache_client import GCacheClient
+
+from gcache.cli.deploy import LocalDeployment
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,9 @@ class AsyncGCacheClient:
 
     # ---- put -------------------------------------------------------------------------
 
-    def _check_kv(self, ns: Namespace, ntokens: int, nblocks: int, kv: Sequence[KVPair]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    def _check_kv(
+        self, ns: Namespace, ntokens: int, nblocks: int, kv: Sequence[KVPair]
+    ) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """numpy views of each layer's K and V with the token index of their row 0."""
         layout = ns.layout
         if len(kv) != layout.num_layers:
@@ -159,9 +161,13 @@ class AsyncGCacheClient:
             want_k = (spec.kv_heads, spec.k_head_dim)
             want_v = (spec.kv_heads, spec.v_head_dim)
             if ka.ndim != 3 or ka.shape[1:] != want_k:
-                raise LayoutError(f"layer {i} K: shape {ka.shape}, want [tokens, {want_k[0]}, {want_k[1]}]")
+                raise LayoutError(
+                    f"layer {i} K: shape {ka.shape}, want [tokens, {want_k[0]}, {want_k[1]}]"
+                )
             if va.ndim != 3 or va.shape[1:] != want_v or va.shape[0] != ka.shape[0]:
-                raise LayoutError(f"layer {i} V: shape {va.shape}, want [{ka.shape[0]}, {want_v[0]}, {want_v[1]}]")
+                raise LayoutError(
+                    f"layer {i} V: shape {va.shape}, want [{ka.shape[0]}, {want_v[0]}, {want_v[1]}]"
+                )
             if ka.shape[0] > ntokens:
                 raise LayoutError(f"layer {i}: {ka.shape[0]} rows for a {ntokens}-token prompt")
             # Rows are the *last* ka.shape[0] tokens (a sliding layer may hold the window only).
@@ -200,7 +206,9 @@ class AsyncGCacheClient:
         masks = layout.groups_to_store(nblocks)
         wanted = sum(bin(m).count("1") for m in masks)
         try:
-            placed: wire.PutPlaced = await self._meta_call(wire.PutBegin(ns.fingerprint, block_keys, masks))
+            placed: wire.PutPlaced = await self._meta_call(
+                wire.PutBegin(ns.fingerprint, block_keys, masks)
+            )
         except GCacheError as exc:
             log.warning("put: PutBegin failed: %s", exc)
             result.error = str(exc)
@@ -219,7 +227,9 @@ class AsyncGCacheClient:
                     conn = await self._server(placed.servers[p.server])
                     await conn.call(wire.Write(p.grant), payload, timeout=self.config.timeout_s)
                 except GCacheError as exc:
-                    log.warning("put: write to %s failed: %s", placed.servers[p.server].server_id, exc)
+                    log.warning(
+                        "put: write to %s failed: %s", placed.servers[p.server].server_id, exc
+                    )
                     return None
             return pi, sums
 
@@ -241,7 +251,10 @@ class AsyncGCacheClient:
 
     @staticmethod
     def _object_views(
-        layout: laymod.Layout, views: list[tuple[np.ndarray, np.ndarray, int]], block: int, group: int
+        layout: laymod.Layout,
+        views: list[tuple[np.ndarray, np.ndarray, int]],
+        block: int,
+        group: int,
     ) -> tuple[list[memoryview], bytes]:
         """The object's bytes as a list of views into the caller's arrays (K then V
         of each layer of the group), and its per-layer checksums."""
@@ -332,7 +345,9 @@ class AsyncGCacheClient:
         off, kb, vb = layout.layer_range(layer)
         bs = layout.block_size
         first_blk = first_tok // bs
-        per_server: dict[int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]] = {}
+        per_server: dict[
+            int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]
+        ] = {}
         checks: list[tuple[memoryview, memoryview, bytes]] = []
         li = layout.group_layers[g].index(layer)
         kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
@@ -363,7 +378,10 @@ class AsyncGCacheClient:
             if h.digest() != want:
                 raise IntegrityError(f"layer {layer}: checksum mismatch")
         if self.as_torch and out is None:
-            k_user, v_user = arrays.as_torch(k_arr, layout.dtype), arrays.as_torch(v_arr, layout.dtype)
+            k_user, v_user = (
+                arrays.as_torch(k_arr, layout.dtype),
+                arrays.as_torch(v_arr, layout.dtype),
+            )
         self.counters["bytes_read"] += k_arr.nbytes + v_arr.nbytes
         return LayerKV(layer, first_tok, k_user, v_user)
 
@@ -405,7 +423,9 @@ class LayerStream:
     """Yields :class:`LayerKV` in layer order. On any store failure it stops early
     and sets ``ok = False``: the engine must recompute (never wrong KV)."""
 
-    def __init__(self, client: AsyncGCacheClient, match: Match, out: Sequence[KVPair] | None) -> None:
+    def __init__(
+        self, client: AsyncGCacheClient, match: Match, out: Sequence[KVPair] | None
+    ) -> None:
         self.client = client
         self.match = match
         self.out = out
@@ -421,7 +441,9 @@ class LayerStream:
         for layer in range(self._next, top):
             if layer not in self._tasks:
                 out = None if self.out is None else self.out[layer]
-                self._tasks[layer] = asyncio.create_task(self.client.fetch_layer(self.match, layer, out))
+                self._tasks[layer] = asyncio.create_task(
+                    self.client.fetch_layer(self.match, layer, out)
+                )
 
     def __aiter__(self) -> LayerStream:
         return self
@@ -455,4 +477,3 @@ class LayerStream:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-

@@ -45,7 +45,7 @@ def to_numpy(x: Any, dtype: str, what: str) -> np.ndarray:
         import torch
 
         int_view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-        arr = t.view(int_view).numpy()
+        arr: np.ndarray = t.view(int_view).numpy()
     else:
         arr = np.ascontiguousarray(x)
     want = NUMPY_DTYPES[dtype].itemsize
@@ -74,4 +74,4 @@ def as_torch(arr: np.ndarray, dtype: str) -> Any:
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
-    return memoryview(arr).cast("B")
+    return arr.data.cast("B")

@@ -27,7 +27,9 @@ T = TypeVar("T")
 class GCacheClient:
     def __init__(self, config: ClientConfig | None = None, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="gcache-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="gcache-client", daemon=True
+        )
         self._thread.start()
         self.aio = AsyncGCacheClient(config, **kwargs)
         self._closed = False
@@ -64,10 +66,14 @@ class GCacheClient:
     def config(self) -> ClientConfig:
         return self.aio.config
 
-    def register_namespace(self, model: str, layout: laymod.LayoutSpec | str, **kw: Any) -> Namespace:
+    def register_namespace(
+        self, model: str, layout: laymod.LayoutSpec | str, **kw: Any
+    ) -> Namespace:
         return self._run(self.aio.register_namespace(model, layout, **kw))
 
-    def put(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, kv: Sequence[KVPair], **kw: Any) -> PutResult:
+    def put(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, kv: Sequence[KVPair], **kw: Any
+    ) -> PutResult:
         return self._run(self.aio.put(ns, tokens, kv, **kw))
 
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> int:

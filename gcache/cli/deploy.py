@@ -4,7 +4,6 @@ both use it."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -98,8 +97,17 @@ class LocalDeployment:
         self.meta = self._spawn(
             "meta",
             "gcache.meta.daemon",
-            ["--host", self.host, "--port", str(self.meta_port), "--grpc-port",
-             str(self.grpc_port), "--ready-file", str(ready), *self.meta_args],
+            [
+                "--host",
+                self.host,
+                "--port",
+                str(self.meta_port),
+                "--grpc-port",
+                str(self.grpc_port),
+                "--ready-file",
+                str(ready),
+                *self.meta_args,
+            ],
         )
         _, port, grpc_port = self._wait_ready(self.meta, ready, deadline)
         self.meta.port = int(port)
@@ -117,9 +125,23 @@ class LocalDeployment:
         proc = self._spawn(
             f"server{i}",
             "gcache.server.daemon",
-            ["--host", self.host, "--port", str(port), "--meta", self.meta_grpc,
-             "--capacity", self.capacity, "--server-id", f"server{i}",
-             "--heartbeat-interval-s", "0.5", "--ready-file", str(ready), *self.server_args],
+            [
+                "--host",
+                self.host,
+                "--port",
+                str(port),
+                "--meta",
+                self.meta_grpc,
+                "--capacity",
+                self.capacity,
+                "--server-id",
+                f"server{i}",
+                "--heartbeat-interval-s",
+                "0.5",
+                "--ready-file",
+                str(ready),
+                *self.server_args,
+            ],
         )
         _, p = self._wait_ready(proc, ready, deadline)
         proc.port = int(p)
@@ -193,11 +215,3 @@ def fetch_stats(meta_grpc: str, timeout: float = 5.0) -> Any:
             return pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             raise GCacheError(f"cannot reach meta at {meta_grpc}: {exc}") from exc
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True

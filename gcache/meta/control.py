@@ -27,17 +27,27 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
 
     async def RegisterServer(self, request: Any, context: Any) -> Any:
         if not request.server_id or not request.port or request.capacity < (1 << 20):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "server_id, port and a capacity of at least 1MiB are required")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "server_id, port and a capacity of at least 1MiB are required",
+            )
         if len(request.secret) < 16:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "secret must be at least 16 bytes")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "secret must be at least 16 bytes"
+            )
         addr = wire.ServerAddr(
             request.server_id, request.host, request.port, request.hostname, request.shm_path
         )
         self.core.register_server(
             addr, bytes(request.secret), request.incarnation, request.capacity, time.monotonic()
         )
-        log.info("server %s registered at %s:%d (%d bytes)", request.server_id, request.host,
-                 request.port, request.capacity)
+        log.info(
+            "server %s registered at %s:%d (%d bytes)",
+            request.server_id,
+            request.host,
+            request.port,
+            request.capacity,
+        )
         return pb.RegisterServerReply(
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.core.cfg.heartbeat_timeout_s,
@@ -70,8 +80,11 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             ns = self.core.register_namespace(descriptor, spec)
         except LayoutError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.info("namespace %s registered: %s", ns.fingerprint.hex(), json.dumps(
-            {k: v for k, v in descriptor.items() if k != "layout"}))
+        log.info(
+            "namespace %s registered: %s",
+            ns.fingerprint.hex(),
+            json.dumps({k: v for k, v in descriptor.items() if k != "layout"}),
+        )
         return pb.RegisterNamespaceReply(fingerprint=ns.fingerprint, namespace_id=ns.ns_id)
 
     async def GetStats(self, request: Any, context: Any) -> Any:

@@ -31,7 +31,6 @@ from gcache.meta.eviction import make_policy
 from gcache.meta.records import (
     EVICTED,
     GONE,
-    LIVE,
     BlockEntry,
     Lease,
     NamespaceRecord,
@@ -228,14 +227,16 @@ class MetaCore:
             group = put.placements[pi][1]
             want = 8 * len(layout.group_layers[group])
             if len(sums) != want:
-                raise Refusal(E_BAD_REQUEST, f"placement {pi}: {len(sums)} checksum bytes, want {want}")
+                raise Refusal(
+                    E_BAD_REQUEST, f"placement {pi}: {len(sums)} checksum bytes, want {want}"
+                )
         del self.puts[req.put_id]
         committed = 0
         done = dict(req.done)
         touched: set[ServerRecord] = set()
         for pi, (block, g, srv, off, size) in enumerate(put.placements):
-            sums = done.get(pi)
-            if sums is None or not srv.alive:
+            obj_sums = done.get(pi)
+            if obj_sums is None or not srv.alive:
                 self._free_range(srv, off, size)
                 continue
             entry = self._ensure_entry(put.ns, put.keys, block)
@@ -243,7 +244,7 @@ class MetaCore:
                 self._free_range(srv, off, size)
                 self.counters["objects_deduped"] += 1
                 continue
-            obj = ObjectRecord(entry, g, srv, off, size, sums, now)
+            obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now)
             entry.objects[g] = obj
             srv.objects += 1
             self.live_objects += 1
@@ -332,7 +333,9 @@ class MetaCore:
             if si is None:
                 si = index[srv.server_id] = len(servers)
                 servers.append(srv.addr)
-            tag = capability.mint(srv.secret, capability.KIND_READ, obj.offset, obj.length, expiry_ms)
+            tag = capability.mint(
+                srv.secret, capability.KIND_READ, obj.offset, obj.length, expiry_ms
+            )
             grant = wire.Grant(obj.offset, obj.length, expiry_ms, tag)
             locs.append(wire.ObjectLoc(obj.entry.pos, obj.group, si, grant, obj.sums))
         self.leases[lease_id] = Lease(lease_id, picked, expiry)

@@ -77,7 +77,9 @@ class BlockEntry:
 class NamespaceRecord:
     __slots__ = ("descriptor", "entries", "fingerprint", "full_group", "layout", "ns_id")
 
-    def __init__(self, ns_id: int, fingerprint: bytes, layout: Layout, descriptor: dict[str, object]):
+    def __init__(
+        self, ns_id: int, fingerprint: bytes, layout: Layout, descriptor: dict[str, object]
+    ):
         self.ns_id = ns_id
         self.fingerprint = fingerprint
         self.layout = layout

@@ -63,8 +63,7 @@ class DataPlaneCore:
             if payload_len != g.length:
                 raise Refusal(
                     E_BAD_REQUEST,
-                    f"payload of {payload_len} bytes does not match the granted "
-                    f"{g.length} bytes",
+                    f"payload of {payload_len} bytes does not match the granted {g.length} bytes",
                 )
             self._check_grant(capability.KIND_WRITE, g, now_ms)
         except Refusal:

@@ -199,12 +199,18 @@ class StorageServer:
         self.port = self.listener.getsockname()[1]
         if not self.server_id:
             self.server_id = f"{socket.gethostname()}:{self.port}"
+        for name in Segment.remove_stale(cfg.shm_dir, self.server_id):
+            log.warning("removed stale segment file %s of a dead process", name)
         path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
         self.segment = Segment(path, cfg.capacity_bytes, populate=cfg.populate)
         self.core = DataPlaneCore(self.segment, self.secret)
         log.info(
             "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
-            self.server_id, self.segment.capacity, path, cfg.host, self.port,
+            self.server_id,
+            self.segment.capacity,
+            path,
+            cfg.host,
+            self.port,
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

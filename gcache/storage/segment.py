@@ -18,6 +18,20 @@ from gcache.errors import GCacheError
 PAGE = mmap.PAGESIZE
 
 
+def _safe(server_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", server_id)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Segment:
     __slots__ = ("_fd", "_mm", "capacity", "path", "view")
 
@@ -40,11 +54,33 @@ class Segment:
 
     @staticmethod
     def file_name(server_id: str) -> str:
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", server_id)
-        return f"gcache-{safe}-{os.getpid()}.seg"
+        return f"gcache-{_safe(server_id)}-{os.getpid()}.seg"
+
+    @staticmethod
+    def remove_stale(shm_dir: str, server_id: str) -> list[str]:
+        """Unlink segment files this server id left behind when its process died
+        without cleaning up (SIGKILL, OOM). Files of live processes are kept."""
+        removed: list[str] = []
+        prefix = f"gcache-{_safe(server_id)}-"
+        try:
+            names = os.listdir(shm_dir)
+        except OSError:
+            return removed
+        for name in names:
+            if not (name.startswith(prefix) and name.endswith(".seg")):
+                continue
+            pid = name[len(prefix) : -len(".seg")]
+            if not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except OSError:
+                pass
+        return removed
 
     def in_bounds(self, offset: int, length: int) -> bool:
-        return 0 <= offset and 0 <= length and offset + length <= self.capacity
+        return offset >= 0 and length >= 0 and offset + length <= self.capacity
 
     def close(self) -> None:
         try:

@@ -6,9 +6,9 @@ import asyncio
 
 import numpy as np
 import pytest
+from gcache_client import AsyncGCacheClient, GCacheClient
 
 from gcache.cli.deploy import LocalDeployment
-from gcache_client import AsyncGCacheClient, GCacheClient
 from tests.kvdata import make_kv, tiny_hybrid, tokens
 
 
@@ -22,7 +22,11 @@ def check_layer(kv, layer) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("preset", "block_size", "ntokens"),
-    [("mimo-v2-flash", 16, 16 * 9 + 7), ("mimo-v2-flash", 64, 64 * 3), ("llama-3-8b", 16, 16 * 6 + 3)],
+    [
+        ("mimo-v2-flash", 16, 16 * 9 + 7),
+        ("mimo-v2-flash", 64, 64 * 3),
+        ("llama-3-8b", 16, 16 * 6 + 3),
+    ],
 )
 def test_put_lookup_get_layers_identical(
     client: GCacheClient, preset: str, block_size: int, ntokens: int
@@ -60,8 +64,12 @@ def test_get_into_caller_buffers(client: GCacheClient) -> None:
     out = []
     for i, spec in enumerate(ns.layout.spec.layers):
         _, n = client.layer_rows(m, i)
-        out.append((np.zeros((n, spec.kv_heads, spec.k_head_dim), np.float16),
-                    np.zeros((n, spec.kv_heads, spec.v_head_dim), np.float16)))
+        out.append(
+            (
+                np.zeros((n, spec.kv_heads, spec.k_head_dim), np.float16),
+                np.zeros((n, spec.kv_heads, spec.v_head_dim), np.float16),
+            )
+        )
     got = client.get(m, out)
     assert got is not None
     for layer, (k_out, v_out) in zip(got, out, strict=True):
@@ -76,8 +84,10 @@ def test_torch_tensors_in_and_out(deployment: LocalDeployment) -> None:
         ns = c.register_namespace("rt-torch", "mimo-v2-flash", block_size=16)
         g = torch.Generator().manual_seed(0)
         kv_t = [
-            (torch.randn(48, s.kv_heads, s.k_head_dim, generator=g).to(torch.bfloat16),
-             torch.randn(48, s.kv_heads, s.v_head_dim, generator=g).to(torch.bfloat16))
+            (
+                torch.randn(48, s.kv_heads, s.k_head_dim, generator=g).to(torch.bfloat16),
+                torch.randn(48, s.kv_heads, s.v_head_dim, generator=g).to(torch.bfloat16),
+            )
             for s in ns.layout.spec.layers
         ]
         toks = tokens(48, seed=9)
@@ -118,8 +128,10 @@ def test_sliding_layers_may_pass_only_the_window(client: GCacheClient) -> None:
     ns = client.register_namespace("rt-window-only", spec)
     kv = make_kv(ns.layout, 40, seed=11)
     # Sliding layers hand over only their last 12 rows, as a windowed cache holds them.
-    trimmed = [(k[-12:], v[-12:]) if s.kind == "swa" else (k, v)
-               for (k, v), s in zip(kv, spec.layers, strict=True)]
+    trimmed = [
+        (k[-12:], v[-12:]) if s.kind == "swa" else (k, v)
+        for (k, v), s in zip(kv, spec.layers, strict=True)
+    ]
     toks = tokens(40, seed=11)
     assert client.put(ns, toks, trimmed).ok
     m = client.match(ns, toks)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gcache_client import GCacheClient
 
 from gcache.cli.deploy import LocalDeployment
 from gcache.layout import LayerSpec, LayoutSpec
-from gcache_client import GCacheClient
 from tests.kvdata import make_kv, shared_kv, tokens
 
 
@@ -21,7 +21,9 @@ def counters(d: LocalDeployment) -> dict[str, float]:
     return dict(d.stats().counters)
 
 
-def test_prefix_sharing_dedup_and_strict_window(deployment: LocalDeployment, client: GCacheClient) -> None:
+def test_prefix_sharing_dedup_and_strict_window(
+    deployment: LocalDeployment, client: GCacheClient
+) -> None:
     ns = client.register_namespace("sem-prefix", "mimo-v2-flash", block_size=16)
     layout = ns.layout
     tail = layout.group_tail_blocks[1]
@@ -57,6 +59,7 @@ def test_prefix_sharing_dedup_and_strict_window(deployment: LocalDeployment, cli
     for layer in got:
         k, v = b_kv[layer.layer]
         assert np.array_equal(layer.k, k[layer.start : layer.start + len(layer.k)])
+        assert np.array_equal(layer.v, v[layer.start : layer.start + len(layer.v)])
     client.release(m)
 
 
@@ -83,9 +86,12 @@ SMALL = LayoutSpec(
 
 @pytest.fixture
 def small_deployment(tmp_path: Path) -> Iterator[LocalDeployment]:
-    d = LocalDeployment(tmp_path, servers=1, capacity="2MiB",
-                        meta_args=["--lease-ttl-s", "30", "--high-watermark", "0.8",
-                                   "--low-watermark", "0.6"])
+    d = LocalDeployment(
+        tmp_path,
+        servers=1,
+        capacity="2MiB",
+        meta_args=["--lease-ttl-s", "30", "--high-watermark", "0.8", "--low-watermark", "0.6"],
+    )
     d.start()
     yield d
     d.stop()
@@ -118,40 +124,42 @@ def test_lease_keeps_object_readable_through_eviction(small_deployment: LocalDep
 
 
 def test_killed_server_turns_blocks_into_misses(tmp_path: Path) -> None:
-    with LocalDeployment(tmp_path, servers=2, capacity="64MiB",
-                         meta_args=["--heartbeat-timeout-s", "1.5"]) as d:
-        with GCacheClient(d.client_config(), timeout_s=2.0) as c:
-            ns = c.register_namespace("sem-kill", SMALL)
-            toks = tokens(16 * 20, seed=20)
-            kv = make_kv(ns.layout, len(toks), seed=20)
-            assert c.put(ns, toks, kv).ok
-            m = c.match(ns, toks)
-            assert m.tokens == 320
-            on = {m.servers[o.server].server_id for o in m.objects.values()}
-            assert on == {"server0", "server1"}  # placement spread the prompt
-            d.kill_server(1)
-            # Reading through the old match: a miss, not an exception, not garbage.
-            assert c.get(m) is None
-            stream = c.get_layers(m)
-            assert list(stream) == [] or not stream.ok
-            assert not stream.ok
-            # Once the meta notices, the dead server's blocks leave the index.
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and c.lookup(ns, toks) == 320:
-                time.sleep(0.2)
-            left = c.lookup(ns, toks)
-            assert left < 320
-            if left:
-                m2 = c.match(ns, toks)
-                got = c.get(m2)
-                assert got is not None and all(
-                    np.array_equal(layer.k, kv[layer.layer][0][layer.start : layer.start + len(layer.k)])
-                    for layer in got
+    with LocalDeployment(
+        tmp_path, servers=2, capacity="64MiB", meta_args=["--heartbeat-timeout-s", "1.5"]
+    ) as d, GCacheClient(d.client_config(), timeout_s=2.0) as c:
+        ns = c.register_namespace("sem-kill", SMALL)
+        toks = tokens(16 * 20, seed=20)
+        kv = make_kv(ns.layout, len(toks), seed=20)
+        assert c.put(ns, toks, kv).ok
+        m = c.match(ns, toks)
+        assert m.tokens == 320
+        on = {m.servers[o.server].server_id for o in m.objects.values()}
+        assert on == {"server0", "server1"}  # placement spread the prompt
+        d.kill_server(1)
+        # Reading through the old match: a miss, not an exception, not garbage.
+        assert c.get(m) is None
+        stream = c.get_layers(m)
+        assert list(stream) == [] or not stream.ok
+        assert not stream.ok
+        # Once the meta notices, the dead server's blocks leave the index.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and c.lookup(ns, toks) == 320:
+            time.sleep(0.2)
+        left = c.lookup(ns, toks)
+        assert left < 320
+        if left:
+            m2 = c.match(ns, toks)
+            got = c.get(m2)
+            assert got is not None and all(
+                np.array_equal(
+                    layer.k, kv[layer.layer][0][layer.start : layer.start + len(layer.k)]
                 )
-            # Still a working store: new puts land on the surviving server.
-            t2 = tokens(64, seed=21)
-            assert c.put(ns, t2, make_kv(ns.layout, 64, seed=21)).ok
-            assert c.lookup(ns, t2) == 64
+                for layer in got
+            )
+        # Still a working store: new puts land on the surviving server.
+        t2 = tokens(64, seed=21)
+        assert c.put(ns, t2, make_kv(ns.layout, 64, seed=21)).ok
+        assert c.lookup(ns, t2) == 64
 
 
 def test_corrupted_bytes_are_a_miss(deployment: LocalDeployment, client: GCacheClient) -> None:
@@ -161,7 +169,9 @@ def test_corrupted_bytes_are_a_miss(deployment: LocalDeployment, client: GCacheC
     assert client.put(ns, toks, kv).ok
     m = client.match(ns, toks)
     loc = m.objects[(0, 0)]
-    shm = {s.server_id: s.shm_path for s in deployment.stats().servers}[m.servers[loc.server].server_id]
+    shm = {s.server_id: s.shm_path for s in deployment.stats().servers}[
+        m.servers[loc.server].server_id
+    ]
     with open(shm, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
         mm[loc.grant.offset + 100] ^= 0xFF
         before = client.stats().get("integrity_errors", 0)

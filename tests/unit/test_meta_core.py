@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from gcache import keys, wire
 from gcache.config import MetaConfig
 from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, E_UNKNOWN_PUT, Refusal
-from gcache.layout import Layout, LayerSpec, LayoutSpec
+from gcache.layout import LayerSpec, Layout, LayoutSpec
 from gcache.meta.core import MetaCore
 from gcache.meta.records import LIVE
 
@@ -48,7 +48,9 @@ def put(core: MetaCore, fp: bytes, toks: list[int], now: float = 1.0) -> tuple[i
     return len(placed.placements), n
 
 
-def lookup(core: MetaCore, fp: bytes, toks: list[int], lease: bool = False, now: float = 2.0) -> wire.LookupResult:
+def lookup(
+    core: MetaCore, fp: bytes, toks: list[int], lease: bool = False, now: float = 2.0
+) -> wire.LookupResult:
     layout = core.namespaces[fp].layout
     ks = keys.block_keys(fp, toks, layout.block_size)
     return core.lookup(wire.Lookup(fp, ks, lease), now, WALL)
@@ -106,7 +108,9 @@ def test_commit_with_wrong_checksums_is_refused_whole() -> None:
         core.put_commit(wire.PutCommit(placed.put_id, [(0, bytes(16)), (1, bytes(3))]), 1.0)
     assert core.stats()["objects"] == 0 and core.stats()["used"] == used
     # The put is still pending and can be committed correctly.
-    assert core.put_commit(wire.PutCommit(placed.put_id, [(0, bytes(16)), (1, bytes(16))]), 1.0) == 2
+    assert (
+        core.put_commit(wire.PutCommit(placed.put_id, [(0, bytes(16)), (1, bytes(16))]), 1.0) == 2
+    )
 
 
 def test_abandoned_put_is_reclaimed() -> None:

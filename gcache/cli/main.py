@@ -1,0 +1,189 @@
+"""``gcache``: ``up`` (a whole local deployment), ``status`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gcache.cli.deploy import LocalDeployment, fetch_stats
+from gcache.config import ClientConfig
+from gcache.errors import GCacheError
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    ports = [args.server_port + i if args.server_port else 0 for i in range(args.servers)]
+    d = LocalDeployment(
+        args.data_dir,
+        servers=args.servers,
+        capacity=args.capacity,
+        host=args.host,
+        meta_port=args.meta_port,
+        grpc_port=args.grpc_port,
+        server_ports=ports,
+        log_level=args.log_level,
+    )
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        d.start(timeout=args.timeout)
+    except GCacheError as exc:
+        print(f"gcache up: {exc}", file=sys.stderr)
+        d.stop()
+        return 1
+    try:
+        print("GCache is up:")
+        print(f"  meta hot path   {d.meta_addr}")
+        print(f"  meta gRPC       {d.meta_grpc}")
+        for s in d.servers:
+            print(f"  {s.name:<15} {s.host}:{s.port}  ({args.capacity} DRAM segment)")
+        print(f"  logs            {Path(args.data_dir).resolve()}")
+        print(f"clients: GCacheClient(meta='{d.meta_addr}', meta_grpc='{d.meta_grpc}')")
+        print(f"status:  gcache status --meta-grpc {d.meta_grpc}", flush=True)
+        if args.demo:
+            from gcache.cli.demo import run_demo
+
+            print("\nrunning the built-in workload (MiMo-V2-Flash layout, multi-turn chats):")
+            rep = run_demo(
+                d.client_config(), conversations=args.demo_conversations, turns=args.demo_turns
+            )
+            print("\nworkload summary:")
+            for line in rep.lines():
+                print("  " + line)
+            print()
+            print_status(d.stats())
+        print("\nserving; Ctrl-C to stop", flush=True)
+        while not stop["signal"]:
+            for p in [d.meta, *d.servers]:
+                if p is not None and not p.alive:
+                    print(
+                        f"gcache up: {p.name} exited ({p.popen.returncode}); see {p.log_path}",
+                        file=sys.stderr,
+                    )
+                    stop["signal"] = -1
+            time.sleep(0.2)
+    finally:
+        codes = d.stop()
+        print(f"stopped: {', '.join(f'{k}={v}' for k, v in codes.items())}", flush=True)
+    return 0 if stop["signal"] != -1 else 1
+
+
+def print_status(reply: Any) -> None:
+    print(
+        f"{'server':<12} {'address':<22} {'alive':<6} {'capacity':>11} {'used':>11} "
+        f"{'objects':>8} {'reads':>8} {'writes':>8}"
+    )
+    for s in reply.servers:
+        print(
+            f"{s.server_id:<12} {s.address:<22} {'yes' if s.alive else 'NO':<6} "
+            f"{_fmt_bytes(s.capacity):>11} {_fmt_bytes(s.used):>11} {s.objects:>8} "
+            f"{s.counters.reads:>8} {s.counters.writes:>8}"
+        )
+    c = dict(reply.counters)
+    lookups = c.get("lookup_blocks", 0)
+    print(
+        f"namespaces {reply.namespaces}, objects {int(c.get('objects', 0))}, "
+        f"stored {_fmt_bytes(c.get('bytes_stored', 0))} "
+        f"(full {_fmt_bytes(c.get('bytes_stored_full', 0))}, "
+        f"windows {_fmt_bytes(sum(v for k, v in c.items() if k.startswith('bytes_stored_swa')))})"
+    )
+    print(
+        f"lookups {int(c.get('lookups', 0))}, blocks hit {int(c.get('hit_blocks', 0))} of "
+        f"{int(lookups)} ({c.get('block_hit_rate', 0):.1%}), misses "
+        f"{int(lookups - c.get('hit_blocks', 0))}, evictions {int(c.get('evictions', 0))}, "
+        f"active leases {int(c.get('active_leases', 0))}"
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        reply = fetch_stats(args.meta_grpc)
+    except GCacheError as exc:
+        print(f"gcache status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(reply), indent=2))
+    else:
+        print_status(reply)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gcache.cli.demo import run_demo
+
+    rep = run_demo(
+        ClientConfig(meta=args.meta, meta_grpc=args.meta_grpc),
+        conversations=args.conversations,
+        turns=args.turns,
+    )
+    for line in rep.lines():
+        print(line)
+    return 0 if rep.mismatches == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="gcache", description="GCache command line")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser(
+        "up",
+        help="start a meta and N servers on this host, until Ctrl-C",
+        description="Start gcache-meta and N gcache-server processes, wait until "
+        "they are healthy, print the endpoints, serve until Ctrl-C/SIGTERM.",
+    )
+    up.add_argument("--servers", type=int, default=2, help="storage daemons (default 2)")
+    up.add_argument("--capacity", default="1GiB", help="DRAM segment per server (default 1GiB)")
+    up.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    up.add_argument("--meta-port", type=int, default=7700, help="hot-path port (0: any free)")
+    up.add_argument("--grpc-port", type=int, default=7701, help="gRPC port (0: any free)")
+    up.add_argument(
+        "--server-port",
+        type=int,
+        default=7800,
+        help="first server port, server i gets +i (0: any free)",
+    )
+    up.add_argument("--data-dir", default="gcache-data", help="logs and ready files")
+    up.add_argument("--timeout", type=float, default=30.0, help="seconds to become healthy")
+    up.add_argument("--log-level", default="info")
+    up.add_argument("--demo", action="store_true", help="run the built-in workload once up")
+    up.add_argument("--demo-conversations", type=int, default=4)
+    up.add_argument("--demo-turns", type=int, default=4)
+    up.set_defaults(func=cmd_up)
+
+    st = sub.add_parser("status", help="servers, capacity, usage, objects, hits and misses")
+    st.add_argument("--meta-grpc", default="127.0.0.1:7701", help="meta gRPC address")
+    st.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    st.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="run the built-in workload against a running deployment")
+    demo.add_argument("--meta", default="127.0.0.1:7700")
+    demo.add_argument("--meta-grpc", default="127.0.0.1:7701")
+    demo.add_argument("--conversations", type=int, default=4)
+    demo.add_argument("--turns", type=int, default=4)
+    demo.set_defaults(func=cmd_demo)
+
+    args = parser.parse_args(argv)
+    raise SystemExit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()
