@@ -55,7 +55,8 @@ class MetaConfig:
     low_watermark: float = _doc("evict down to this fraction used", default=0.80)
     eviction_policy: str = _doc("eviction policy: lru", default="lru")
     max_keys_per_request: int = _doc("largest batch a request may carry", default=1 << 17)
-    ready_file: str = _doc("write 'host port grpc_port' here once listening", default="")
+    metrics_port: int = _doc("Prometheus /metrics HTTP port; -1 disables, 0 any free", default=7702)
+    ready_file: str = _doc("write 'host port grpc_port metrics_port' here when up", default="")
 
     def check(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1.0:

@@ -43,6 +43,7 @@ class LocalDeployment:
         host: str = "127.0.0.1",
         meta_port: int = 0,
         grpc_port: int = 0,
+        metrics_port: int = 0,
         server_ports: list[int] | None = None,
         meta_args: list[str] | None = None,
         server_args: list[str] | None = None,
@@ -54,6 +55,7 @@ class LocalDeployment:
         self.host = host
         self.meta_port = meta_port
         self.grpc_port = grpc_port
+        self.metrics_port = metrics_port
         self.server_ports = server_ports or [0] * servers
         self.meta_args = meta_args or []
         self.server_args = server_args or []
@@ -104,14 +106,17 @@ class LocalDeployment:
                 str(self.meta_port),
                 "--grpc-port",
                 str(self.grpc_port),
+                "--metrics-port",
+                str(self.metrics_port),
                 "--ready-file",
                 str(ready),
                 *self.meta_args,
             ],
         )
-        _, port, grpc_port = self._wait_ready(self.meta, ready, deadline)
+        _, port, grpc_port, metrics_port = self._wait_ready(self.meta, ready, deadline)
         self.meta.port = int(port)
         self.meta.extra["grpc_port"] = int(grpc_port)
+        self.meta.extra["metrics_port"] = int(metrics_port)
         for i in range(self.n_servers):
             self.start_server(i, deadline)
         self.wait_servers(self.n_servers, deadline - time.monotonic())
@@ -201,6 +206,11 @@ class LocalDeployment:
     def meta_grpc(self) -> str:
         assert self.meta is not None
         return f"{self.host}:{self.meta.extra['grpc_port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.meta is not None
+        return f"http://{self.host}:{self.meta.extra['metrics_port']}/metrics"
 
     def client_config(self, **kw: Any) -> ClientConfig:
         return ClientConfig(meta=self.meta_addr, meta_grpc=self.meta_grpc, **kw)

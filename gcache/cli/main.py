@@ -32,6 +32,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         meta_port=args.meta_port,
         grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
         server_ports=ports,
         log_level=args.log_level,
     )
@@ -52,6 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("GCache is up:")
         print(f"  meta hot path   {d.meta_addr}")
         print(f"  meta gRPC       {d.meta_grpc}")
+        print(f"  metrics         {d.metrics_url}")
         for s in d.servers:
             print(f"  {s.name:<15} {s.host}:{s.port}  ({args.capacity} DRAM segment)")
         print(f"  logs            {Path(args.data_dir).resolve()}")
@@ -155,6 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     up.add_argument("--meta-port", type=int, default=7700, help="hot-path port (0: any free)")
     up.add_argument("--grpc-port", type=int, default=7701, help="gRPC port (0: any free)")
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=7702,
+        help="Prometheus /metrics port (0: any free, -1: off)",
+    )
     up.add_argument(
         "--server-port",
         type=int,

@@ -39,6 +39,28 @@ from gcache.meta.records import (
     ServerRecord,
 )
 
+# Monotonic counters of MetaCore.stats() (always exported, from 0).
+COUNTERS = (
+    "lookups",
+    "lookup_blocks",
+    "hit_blocks",
+    "hit_tokens",
+    "puts_begun",
+    "puts_committed",
+    "puts_aborted",
+    "puts_reclaimed",
+    "objects_committed",
+    "objects_deduped",
+    "objects_no_space",
+    "evictions",
+    "evicted_bytes",
+    "leases_granted",
+    "leases_expired",
+    "servers_registered",
+    "servers_dropped",
+    "refused",
+    "protocol_errors",
+)
 MAX_NAMESPACES = 4096
 MAX_FREED_REPORT = 1 << 16
 # Capabilities expire this long before the meta reuses their memory, so a clock
@@ -450,7 +472,8 @@ class MetaCore:
     # ---- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = dict(self.counters)
+        out: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        out.update(self.counters)
         out.update(
             namespaces=len(self.namespaces),
             servers=sum(1 for s in self.servers.values() if s.alive),

@@ -19,6 +19,7 @@ from gcache.errors import GCacheError
 from gcache.meta.control import ControlService
 from gcache.meta.core import MetaCore
 from gcache.meta.hotpath import HotPathServer
+from gcache.meta.metrics import MetricsServer
 from gcache.server.daemon import install_uvloop, setup_logging
 
 log = logging.getLogger("gcache.meta")
@@ -55,11 +56,22 @@ async def run(cfg: MetaConfig) -> None:
             except Exception:
                 log.exception("tick failed")
 
+    metrics = MetricsServer(core)
+    metrics_port = -1
+    if cfg.metrics_port >= 0:
+        metrics_port = await metrics.start(cfg.host, cfg.metrics_port)
     tasks = [asyncio.create_task(hot.accept_loop()), asyncio.create_task(ticker())]
-    log.info("gcache-meta: hot path on %s:%d, gRPC on %s:%d", cfg.host, port, cfg.host, grpc_port)
+    log.info(
+        "gcache-meta: hot path on %s:%d, gRPC on %s:%d, metrics on %s",
+        cfg.host,
+        port,
+        cfg.host,
+        grpc_port,
+        f"http://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else "(disabled)",
+    )
     if cfg.ready_file:
         with open(cfg.ready_file + ".tmp", "w") as fh:
-            fh.write(f"{cfg.host} {port} {grpc_port}\n")
+            fh.write(f"{cfg.host} {port} {grpc_port} {metrics_port}\n")
         os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
     try:
         await stopping.wait()
@@ -68,6 +80,7 @@ async def run(cfg: MetaConfig) -> None:
         for t in tasks:
             t.cancel()
         await hot.close()
+        await metrics.close()
         await grpc_server.stop(grace=0.5)
 
 

@@ -56,6 +56,8 @@ def test_up_demo_status_and_clean_stop(tmp_path: Path) -> None:
             "0",
             "--grpc-port",
             "0",
+            "--metrics-port",
+            "0",
             "--server-port",
             "0",
             "--capacity",

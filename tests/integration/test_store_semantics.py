@@ -124,9 +124,12 @@ def test_lease_keeps_object_readable_through_eviction(small_deployment: LocalDep
 
 
 def test_killed_server_turns_blocks_into_misses(tmp_path: Path) -> None:
-    with LocalDeployment(
-        tmp_path, servers=2, capacity="64MiB", meta_args=["--heartbeat-timeout-s", "1.5"]
-    ) as d, GCacheClient(d.client_config(), timeout_s=2.0) as c:
+    with (
+        LocalDeployment(
+            tmp_path, servers=2, capacity="64MiB", meta_args=["--heartbeat-timeout-s", "1.5"]
+        ) as d,
+        GCacheClient(d.client_config(), timeout_s=2.0) as c,
+    ):
         ns = c.register_namespace("sem-kill", SMALL)
         toks = tokens(16 * 20, seed=20)
         kv = make_kv(ns.layout, len(toks), seed=20)
@@ -183,3 +186,26 @@ def test_corrupted_bytes_are_a_miss(deployment: LocalDeployment, client: GCacheC
         mm[loc.grant.offset + 100] ^= 0xFF
     assert client.get(m) is not None
     client.release(m)
+
+
+def test_prometheus_metrics_endpoint(deployment: LocalDeployment, client: GCacheClient) -> None:
+    import urllib.error
+    import urllib.request
+
+    ns = client.register_namespace("sem-metrics", SMALL)
+    toks = tokens(32, seed=40)
+    client.put(ns, toks, make_kv(ns.layout, 32, seed=40))
+    client.lookup(ns, toks)
+    with urllib.request.urlopen(deployment.metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values["gcache_meta_lookups_total"] >= 1
+    assert values["gcache_meta_hit_blocks_total"] >= 2
+    assert values['gcache_server_used_bytes{server="server0"}'] > 0
+    assert "# TYPE gcache_meta_evictions_total counter" in text
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(deployment.metrics_url.replace("/metrics", "/nope"), timeout=5)

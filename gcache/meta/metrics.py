@@ -1,0 +1,78 @@
+"""Prometheus text exposition of the meta's stats on a small HTTP endpoint.
+
+Only ``GET /metrics`` (and ``/healthz``) are served; anything else gets 404. The
+body is rendered from :meth:`MetaCore.stats` and the per-server records, so
+``gcache status``, gRPC ``GetStats`` and Prometheus always agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from gcache.meta.core import COUNTERS, MetaCore
+
+log = logging.getLogger("gcache.meta.metrics")
+
+
+def render(core: MetaCore) -> str:
+    lines: list[str] = []
+    for name, value in sorted(core.stats().items()):
+        metric = f"gcache_meta_{name}" + ("_total" if name in COUNTERS else "")
+        kind = "counter" if name in COUNTERS else "gauge"
+        lines += [f"# TYPE {metric} {kind}", f"{metric} {float(value)}"]
+    now = time.monotonic()
+    per_server = {
+        "gcache_server_capacity_bytes": lambda s: s.allocator.capacity,
+        "gcache_server_used_bytes": lambda s: s.allocator.used,
+        "gcache_server_objects": lambda s: s.objects,
+        "gcache_server_heartbeat_age_seconds": lambda s: now - s.last_seen,
+        "gcache_server_fragmentation": lambda s: s.allocator.stats()["fragmentation"],
+    }
+    for metric, get in per_server.items():
+        lines.append(f"# TYPE {metric} gauge")
+        for s in core.servers.values():
+            lines.append(f'{metric}{{server="{s.server_id}"}} {float(get(s))}')
+    lines.append("# TYPE gcache_server_ops_total counter")
+    for s in core.servers.values():
+        for key, val in s.counters.items():
+            lines.append(f'gcache_server_ops_total{{server="{s.server_id}",kind="{key}"}} {val}')
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    def __init__(self, core: MetaCore) -> None:
+        self.core = core
+        self.server: asyncio.Server | None = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            parts = request.split(b" ", 2)
+            path = parts[1].decode("latin-1") if len(parts) > 1 else ""
+            if parts[0] == b"GET" and path == "/metrics":
+                status, body = "200 OK", render(self.core).encode()
+            elif parts[0] == b"GET" and path == "/healthz":
+                status, body = "200 OK", b"ok\n"
+            else:
+                status, body = "404 Not Found", b"not found\n"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self.handle, host, port, limit=16384)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
