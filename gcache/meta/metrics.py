@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from gcache.meta.core import COUNTERS, MetaCore
+from gcache.meta.records import ServerRecord
 
 log = logging.getLogger("gcache.meta.metrics")
 
@@ -23,7 +25,7 @@ def render(core: MetaCore) -> str:
         kind = "counter" if name in COUNTERS else "gauge"
         lines += [f"# TYPE {metric} {kind}", f"{metric} {float(value)}"]
     now = time.monotonic()
-    per_server = {
+    per_server: dict[str, Callable[[ServerRecord], float]] = {
         "gcache_server_capacity_bytes": lambda s: s.allocator.capacity,
         "gcache_server_used_bytes": lambda s: s.allocator.used,
         "gcache_server_objects": lambda s: s.objects,
