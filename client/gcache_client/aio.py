@@ -26,7 +26,14 @@ from gcache import wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.config import ClientConfig
-from gcache.errors import ClosedError, GCacheError, IntegrityError, LayoutError, RemoteError
+from gcache.errors import (
+    ClosedError,
+    GCacheError,
+    IntegrityError,
+    LayoutError,
+    RemoteError,
+    UnknownNamespace,
+)
 from gcache_client import arrays
 from gcache_client.conn import PipelinedConn, gather_or_cancel
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
@@ -123,9 +130,6 @@ class AsyncGCacheClient:
         self._check_open()
         spec = laymod.preset(layout, block_size) if isinstance(layout, str) else layout
         laymod.validate(spec)
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.config.meta_grpc)
-        stub = pb_grpc.ControlStub(self._channel)
         req = pb.RegisterNamespaceRequest(
             model=model,
             revision=revision,
@@ -135,13 +139,33 @@ class AsyncGCacheClient:
             cache_salt=cache_salt,
             kv_dtype=spec.dtype,
         )
+        fp = await self._register(req)
+        return Namespace(fp, model, laymod.Layout(spec), req)
+
+    async def _register(self, req: Any) -> bytes:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.config.meta_grpc)
+        stub = pb_grpc.ControlStub(self._channel)
         try:
             reply = await stub.RegisterNamespace(req, timeout=self.config.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise LayoutError(exc.details() or "invalid namespace") from exc
             raise GCacheError(f"RegisterNamespace failed: {exc.details()}") from exc
-        return Namespace(bytes(reply.fingerprint), model, laymod.Layout(spec))
+        return bytes(reply.fingerprint)
+
+    async def _ns_call(self, ns: Namespace, msg: wire.Msg) -> Any:
+        """A hot-path call naming ``ns``; if the meta restarted and forgot the
+        namespace, register it again (same fingerprint) and retry once."""
+        try:
+            return await self._meta_call(msg)
+        except UnknownNamespace:
+            if ns.request is None:
+                raise
+            log.info("meta forgot namespace %s; registering it again", ns)
+            if await self._register(ns.request) != ns.fingerprint:
+                raise
+            return await self._meta_call(msg)
 
     # ---- put -------------------------------------------------------------------------
 
@@ -206,8 +230,8 @@ class AsyncGCacheClient:
         masks = layout.groups_to_store(nblocks)
         wanted = sum(bin(m).count("1") for m in masks)
         try:
-            placed: wire.PutPlaced = await self._meta_call(
-                wire.PutBegin(ns.fingerprint, block_keys, masks)
+            placed: wire.PutPlaced = await self._ns_call(
+                ns, wire.PutBegin(ns.fingerprint, block_keys, masks)
             )
         except GCacheError as exc:
             log.warning("put: PutBegin failed: %s", exc)
@@ -279,7 +303,9 @@ class AsyncGCacheClient:
         self._check_open()
         block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
         try:
-            res: wire.LookupResult = await self._meta_call(wire.Lookup(ns.fingerprint, block_keys))
+            res: wire.LookupResult = await self._ns_call(
+                ns, wire.Lookup(ns.fingerprint, block_keys)
+            )
         except GCacheError as exc:
             log.warning("lookup failed (miss): %s", exc)
             return 0
@@ -291,8 +317,8 @@ class AsyncGCacheClient:
         self._check_open()
         block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
         try:
-            res: wire.LookupResult = await self._meta_call(
-                wire.Lookup(ns.fingerprint, block_keys, lease=True)
+            res: wire.LookupResult = await self._ns_call(
+                ns, wire.Lookup(ns.fingerprint, block_keys, lease=True)
             )
         except GCacheError as exc:
             log.warning("match failed (miss): %s", exc)

@@ -17,6 +17,8 @@ class Namespace:
     fingerprint: bytes
     model: str
     layout: Layout
+    # The RegisterNamespace request, replayed if a restarted meta forgot it.
+    request: Any = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return f"Namespace({self.model!r}, {self.fingerprint.hex()[:12]}…)"

@@ -94,6 +94,13 @@ class LocalDeployment:
     def start(self, timeout: float = 30.0) -> LocalDeployment:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
+        self._start_meta(deadline)
+        for i in range(self.n_servers):
+            self.start_server(i, deadline)
+        self.wait_servers(self.n_servers, deadline - time.monotonic())
+        return self
+
+    def _start_meta(self, deadline: float) -> None:
         ready = self.data_dir / "meta.ready"
         ready.unlink(missing_ok=True)
         self.meta = self._spawn(
@@ -117,10 +124,16 @@ class LocalDeployment:
         self.meta.port = int(port)
         self.meta.extra["grpc_port"] = int(grpc_port)
         self.meta.extra["metrics_port"] = int(metrics_port)
-        for i in range(self.n_servers):
-            self.start_server(i, deadline)
-        self.wait_servers(self.n_servers, deadline - time.monotonic())
-        return self
+
+    def restart_meta(self, sig: int = signal.SIGKILL, timeout: float = 30.0) -> None:
+        """Kill the meta and start a new one on the same ports (servers re-register)."""
+        assert self.meta is not None
+        self.meta.popen.send_signal(sig)
+        self.meta.popen.wait(10)
+        self.meta_port = self.meta.port
+        self.grpc_port = self.meta.extra["grpc_port"]
+        self.metrics_port = self.meta.extra["metrics_port"]
+        self._start_meta(time.monotonic() + timeout)
 
     def start_server(self, i: int, deadline: float | None = None) -> Proc:
         deadline = deadline or time.monotonic() + 30

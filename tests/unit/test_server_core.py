@@ -113,6 +113,27 @@ def test_segment_basics(seg: Segment) -> None:
     assert name.startswith("gcache-host_7800_a_b-") and name.endswith(".seg")
 
 
+def test_remove_stale_segments(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no live process
+    dead, alive = child.pid, os.getpid()
+    names = [
+        f"gcache-srv-{dead}.seg",  # stale: removed
+        f"gcache-srv-{alive}.seg",  # live process: kept
+        "gcache-srv-notapid.seg",  # not ours to judge: kept
+        f"gcache-other-{dead}.seg",  # another server id: kept
+        f"gcache-srv-{dead}.tmp",  # not a segment: kept
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert Segment.remove_stale(str(tmp_path), "srv") == [f"gcache-srv-{dead}.seg"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    assert Segment.remove_stale(str(tmp_path / "absent"), "srv") == []
+
+
 # ---- WRITE -------------------------------------------------------------------------
 
 
