@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from gcache.errors import ConfigError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
@@ -31,12 +31,14 @@ def parse_size(text: str | int) -> int:
     m = _SIZE.match(text)
     if not m:
         raise ConfigError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
-    num, unit = float(m.group(1)), (m.group(2) or "").lower()
+    digits, unit = m.group(1), (m.group(2) or "").lower()
     if "i" in unit:
         mult = 1 << (10 * "kmgt".index(unit[0]) + 10)
     else:
         mult = _UNITS[unit[:1]]
-    return int(num * mult)
+    if "." not in digits:
+        return int(digits) * mult  # exact, even past 2**53
+    return int(float(digits) * mult)
 
 
 def _doc(text: str, **kw: Any) -> Any:
@@ -107,16 +109,32 @@ C = TypeVar("C", MetaConfig, ServerConfig, ClientConfig)
 _SECTIONS = {MetaConfig: "meta", ServerConfig: "server", ClientConfig: "client"}
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def _convert(cls: type, name: str, raw: Any) -> Any:
-    kind = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    """Strict conversion: no silent truncation, no guessing at booleans."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    where = f"{_SECTIONS[cls]}.{name}"
+    if name not in kinds:
+        raise ConfigError(f"unknown setting {where}")
+    kind = kinds[name]
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise ConfigError(f"{where}: expected a boolean (true/false), got {raw!r}")
+    if isinstance(raw, bool) or (kind != "str" and not isinstance(raw, (str, int, float))):
+        raise ConfigError(f"{where}: expected {kind}, got {raw!r}")
+    if kind == "int" and isinstance(raw, float) and not raw.is_integer():
+        raise ConfigError(f"{where}: expected an integer, got {raw!r}")
     try:
-        if kind == "bool":
-            if isinstance(raw, bool):
-                return raw
-            return str(raw).lower() in ("1", "true", "yes", "on")
-        return {"int": int, "float": float, "str": str}[str(kind)](raw)
+        return {"int": int, "float": float, "str": str}[kind](raw)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{_SECTIONS[cls]}.{name}: {exc}") from exc
+        raise ConfigError(f"{where}: expected {kind}, got {raw!r}") from exc
 
 
 def load(

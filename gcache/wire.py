@@ -221,7 +221,7 @@ def decode_body(msg_type: int, body: bytes | bytearray | memoryview) -> Any:
     """Decode and type-check a body for ``msg_type``. Raises :class:`ProtocolError`."""
     try:
         return _DECODERS[msg_type].decode(body)
-    except (msgspec.DecodeError, KeyError) as exc:
+    except (msgspec.DecodeError, KeyError, RecursionError) as exc:
         raise ProtocolError(f"bad body for message type {msg_type}: {exc}") from exc
 
 
@@ -235,7 +235,9 @@ class FrameEncoder:
         self._enc = msgspec.msgpack.Encoder()
 
     def encode(self, msg: Msg, req_id: int = 0, payload_len: int = 0) -> memoryview:
-        """Return a view of ``header|body``. Valid until the next ``encode`` call."""
+        """Return a view of ``header|body`` in the reused buffer. The caller must
+        release it (or drop every reference) before the next ``encode``: the buffer
+        cannot be resized while a view is exported (``BufferError``)."""
         buf = self._buf
         self._enc.encode_into(msg, buf, HEADER_SIZE)
         body_len = len(buf) - HEADER_SIZE

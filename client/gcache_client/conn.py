@@ -118,6 +118,8 @@ class PipelinedConn:
             raise
         except GCacheError as exc:
             self._fail(exc)
+        except Exception as exc:  # never leave callers waiting on a dead reader
+            self._fail(ConnectionLost(f"reader failed: {exc!r}"))
         finally:
             stream.close()
 

@@ -66,6 +66,8 @@ class HotPathServer:
             log.warning("closing hot-path connection from %s: %s", stream.peer, exc)
         except GCacheError as exc:
             log.debug("hot-path connection from %s ended: %s", stream.peer, exc)
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("internal error on hot-path connection from %s", stream.peer)
         finally:
             stream.close()
 

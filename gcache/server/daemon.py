@@ -97,6 +97,8 @@ class StorageServer:
             log.warning("closing connection from %s: protocol error: %s", stream.peer, exc)
         except GCacheError as exc:
             log.info("connection from %s ended: %s", stream.peer, exc)
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("internal error on connection from %s", stream.peer)
         finally:
             stream.close()
 
