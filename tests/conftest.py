@@ -8,9 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gcache_client import GCacheClient
-
 from gcache.cli.deploy import LocalDeployment
+from gcache_client import GCacheClient
 
 
 @pytest.fixture(scope="module")

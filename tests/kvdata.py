@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from gcache_client.arrays import NUMPY_DTYPES
 
 from gcache.layout import LayerSpec, Layout, LayoutSpec
+from gcache_client.arrays import NUMPY_DTYPES
 
 KV = list[tuple[np.ndarray, np.ndarray]]
 

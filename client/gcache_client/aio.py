@@ -100,6 +100,11 @@ class AsyncGCacheClient:
         conn = await self._meta_conn()
         return await conn.call(msg, timeout=self.config.timeout_s)
 
+    def _control(self) -> Any:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.config.meta_grpc)
+        return pb_grpc.ControlStub(self._channel)
+
     async def _server(self, addr: wire.ServerAddr) -> PipelinedConn:
         key = (addr.server_id, addr.host, addr.port)
         conn = self._data.get(key)
@@ -143,9 +148,7 @@ class AsyncGCacheClient:
         return Namespace(fp, model, laymod.Layout(spec), req)
 
     async def _register(self, req: Any) -> bytes:
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.config.meta_grpc)
-        stub = pb_grpc.ControlStub(self._channel)
+        stub = self._control()
         try:
             reply = await stub.RegisterNamespace(req, timeout=self.config.timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -166,6 +169,36 @@ class AsyncGCacheClient:
             if await self._register(ns.request) != ns.fingerprint:
                 raise
             return await self._meta_call(msg)
+
+    async def evict(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        blocks: range | None = None,
+        windows_only: bool = True,
+    ) -> tuple[int, int]:
+        """Admin: evict the cached objects of ``tokens``' blocks (``blocks`` selects
+        which, default all): only their windowed objects, or everything (full objects
+        go only from blocks without cached descendants). Returns (evicted, refused)."""
+        self._check_open()
+        block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
+        if blocks is not None:
+            block_keys = [block_keys[i] for i in blocks]
+        layout = ns.layout
+        mask = 0
+        for g, tail in enumerate(layout.group_tail_blocks):
+            if tail is not None or not windows_only:
+                mask |= 1 << g
+        stub = self._control()
+        try:
+            reply = await stub.Evict(
+                pb.EvictRequest(namespace=ns.fingerprint, keys=block_keys, groups=mask),
+                timeout=self.config.timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise GCacheError(f"Evict failed: {exc.details()}") from exc
+        return int(reply.evicted), int(reply.refused)
 
     # ---- put -------------------------------------------------------------------------
 

@@ -76,6 +76,11 @@ class GCacheClient:
     ) -> PutResult:
         return self._run(self.aio.put(ns, tokens, kv, **kw))
 
+    def evict(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, **kw: Any
+    ) -> tuple[int, int]:
+        return self._run(self.aio.evict(ns, tokens, **kw))
+
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
         return self._run(self.aio.lookup(ns, tokens))
 

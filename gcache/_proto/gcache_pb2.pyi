@@ -146,3 +146,21 @@ class GetStatsReply(_message.Message):
     counters: _containers.ScalarMap[str, float]
     namespaces: int
     def __init__(self, servers: _Optional[_Iterable[_Union[ServerStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., namespaces: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "groups")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    groups: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., groups: _Optional[int] = ...) -> None: ...
+
+class EvictReply(_message.Message):
+    __slots__ = ("evicted", "refused")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    refused: int
+    def __init__(self, evicted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...

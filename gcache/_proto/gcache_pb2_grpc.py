@@ -54,6 +54,11 @@ class ControlStub:
                 request_serializer=gcache__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=gcache__pb2.GetStatsReply.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/gcache.v1.Control/Evict',
+                request_serializer=gcache__pb2.EvictRequest.SerializeToString,
+                response_deserializer=gcache__pb2.EvictReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -87,6 +92,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Admin: evict given objects now (windows of any block, full objects of leaves).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=gcache__pb2.GetStatsRequest.FromString,
                     response_serializer=gcache__pb2.GetStatsReply.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=gcache__pb2.EvictRequest.FromString,
+                    response_serializer=gcache__pb2.EvictReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class Control:
             '/gcache.v1.Control/GetStats',
             gcache__pb2.GetStatsRequest.SerializeToString,
             gcache__pb2.GetStatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gcache.v1.Control/Evict',
+            gcache__pb2.EvictRequest.SerializeToString,
+            gcache__pb2.EvictReply.FromString,
             options,
             channel_credentials,
             insecure,

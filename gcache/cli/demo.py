@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from gcache_client import GCacheClient, Namespace
 
 from gcache import keys as keymod
 from gcache.config import ClientConfig
 from gcache.layout import Layout
+from gcache_client import GCacheClient, Namespace
 
 
 @dataclass

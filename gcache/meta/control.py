@@ -13,7 +13,7 @@ import msgspec
 from gcache import wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
-from gcache.errors import LayoutError
+from gcache.errors import LayoutError, Refusal
 from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
 
@@ -86,6 +86,15 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             json.dumps({k: v for k, v in descriptor.items() if k != "layout"}),
         )
         return pb.RegisterNamespaceReply(fingerprint=ns.fingerprint, namespace_id=ns.ns_id)
+
+    async def Evict(self, request: Any, context: Any) -> Any:
+        try:
+            evicted, refused = self.core.evict_keys(
+                bytes(request.namespace), [bytes(k) for k in request.keys], request.groups
+            )
+        except Refusal as r:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.message)
+        return pb.EvictReply(evicted=evicted, refused=refused)
 
     async def GetStats(self, request: Any, context: Any) -> Any:
         now = time.monotonic()

@@ -378,6 +378,35 @@ class MetaCore:
 
     # ---- eviction ------------------------------------------------------------------------
 
+    def evict_keys(self, fp: bytes, key_list: list[bytes], groups: int) -> tuple[int, int]:
+        """Admin eviction of named objects. A full object goes only from a leaf (with
+        its whole block); windowed objects may go from any block. Returns
+        (evicted, refused)."""
+        ns = self._namespace(fp)
+        self._check_keys(key_list)
+        evicted = refused = 0
+        for key in key_list:
+            entry = ns.entries.get(key)
+            if entry is None:
+                continue
+            for g in range(ns.layout.num_groups):
+                if not groups >> g & 1 or entry.objects[g] is None:
+                    continue
+                if g == ns.full_group:
+                    if entry.children:
+                        refused += 1
+                        continue
+                    for g2 in range(len(entry.objects)):
+                        if entry.objects[g2] is not None:
+                            self._evict_object(ns, entry, g2)
+                            evicted += 1
+                    break
+                self._evict_object(ns, entry, g)
+                evicted += 1
+            if key in ns.entries:
+                self._prune(ns, entry)
+        return evicted, refused
+
     def _check_watermark(self, srv: ServerRecord) -> None:
         cap = srv.allocator.capacity
         if srv.reclaimable_used > self.cfg.high_watermark * cap:

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from gcache_client import GCacheClient, Match, Namespace
 
 from gcache import wire
 from gcache.cli.deploy import LocalDeployment
@@ -20,6 +19,7 @@ from gcache.errors import (
     E_UNKNOWN_NAMESPACE,
     LayoutError,
 )
+from gcache_client import GCacheClient, Match, Namespace
 from tests import rawwire
 from tests.kvdata import make_kv, tiny_hybrid, tokens
 

@@ -6,9 +6,9 @@ import asyncio
 
 import numpy as np
 import pytest
-from gcache_client import AsyncGCacheClient, GCacheClient
 
 from gcache.cli.deploy import LocalDeployment
+from gcache_client import AsyncGCacheClient, GCacheClient
 from tests.kvdata import make_kv, tiny_hybrid, tokens
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gcache_client import GCacheClient
 
 from gcache.cli.deploy import LocalDeployment
 from gcache.layout import LayerSpec, LayoutSpec
+from gcache_client import GCacheClient
 from tests.kvdata import make_kv, shared_kv, tokens
 
 

@@ -100,8 +100,7 @@ def test_defaults() -> None:
 def test_precedence(tmp_path: Path) -> None:
     path = _toml(
         tmp_path,
-        "[meta]\nport = 1111\ngrpc_port = 1112\nlease_ttl_s = 3.5\n"
-        "[server]\nport = 9999\n",
+        "[meta]\nport = 1111\ngrpc_port = 1112\nlease_ttl_s = 3.5\n[server]\nport = 9999\n",
     )
     file_only = load(MetaConfig, path, env={})
     assert (file_only.port, file_only.grpc_port, file_only.lease_ttl_s) == (1111, 1112, 3.5)
@@ -179,9 +178,7 @@ def test_missing_or_bad_file(tmp_path: Path) -> None:
         (ClientConfig, "", {"GCACHE_CLIENT_LAYERS_IN_FLIGHT": "four"}),
     ],
 )
-def test_bad_types(
-    tmp_path: Path, cls: type, toml: str, env: dict[str, str]
-) -> None:
+def test_bad_types(tmp_path: Path, cls: type, toml: str, env: dict[str, str]) -> None:
     path = _toml(tmp_path, toml) if toml else None
     with pytest.raises(ConfigError):
         load(cls, path, env=env)
@@ -242,8 +239,9 @@ def test_meta_check_rejects(kw: dict[str, object]) -> None:
 def test_meta_check_accepts_edges() -> None:
     MetaConfig(low_watermark=0.01, high_watermark=1.0).check()
     MetaConfig(low_watermark=0.5, high_watermark=0.51).check()
-    cfg = load(MetaConfig, env={"GCACHE_META_LOW_WATERMARK": "0.1",
-                                "GCACHE_META_HIGH_WATERMARK": "1"})
+    cfg = load(
+        MetaConfig, env={"GCACHE_META_LOW_WATERMARK": "0.1", "GCACHE_META_HIGH_WATERMARK": "1"}
+    )
     assert (cfg.low_watermark, cfg.high_watermark) == (0.1, 1.0)
 
 

@@ -67,9 +67,7 @@ def test_matches_definition(fp: bytes, tokens: list[int], block_size: int) -> No
 def test_matches_definition_with_extras(fp: bytes, data: st.DataObject, block_size: int) -> None:
     tokens = data.draw(st.lists(INT32, max_size=40))
     nblocks = len(tokens) // block_size
-    extras = data.draw(
-        st.lists(st.binary(max_size=24), min_size=nblocks, max_size=nblocks + 3)
-    )
+    extras = data.draw(st.lists(st.binary(max_size=24), min_size=nblocks, max_size=nblocks + 3))
     assert block_keys(fp, tokens, block_size, extras) == reference_keys(
         fp, tokens, block_size, extras
     )

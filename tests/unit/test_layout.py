@@ -58,9 +58,7 @@ def layer_specs(draw: st.DrawFn, windows: list[int]) -> LayerSpec:
 
 @st.composite
 def layout_specs(draw: st.DrawFn, max_windows: int = 3) -> LayoutSpec:
-    windows = draw(
-        st.lists(st.integers(1, 700), min_size=0, max_size=max_windows, unique=True)
-    )
+    windows = draw(st.lists(st.integers(1, 700), min_size=0, max_size=max_windows, unique=True))
     layers = draw(st.lists(layer_specs(windows), min_size=1, max_size=14))
     return LayoutSpec(
         block_size=draw(st.integers(1, 256)),
@@ -85,9 +83,7 @@ def windowed_layouts(draw: st.DrawFn) -> LayoutSpec:
         )
         for w in order
     )
-    return LayoutSpec(
-        block_size=draw(st.integers(1, 24)), dtype="bfloat16", layers=layers
-    )
+    return LayoutSpec(block_size=draw(st.integers(1, 24)), dtype="bfloat16", layers=layers)
 
 
 # ---- presets ---------------------------------------------------------------------
@@ -203,10 +199,7 @@ def test_groups_to_store_and_stored_bytes(spec: LayoutSpec, n: int) -> None:
             assert bool(mask >> g & 1) == wanted, (i, g, w)
         assert mask >> lay.num_groups == 0
     total = sum(
-        lay.group_object_bytes[g]
-        for mask in masks
-        for g in range(lay.num_groups)
-        if mask >> g & 1
+        lay.group_object_bytes[g] for mask in masks for g in range(lay.num_groups) if mask >> g & 1
     )
     assert lay.stored_bytes(n) == total
 
@@ -233,9 +226,7 @@ def brute_valid_match(
     return 0
 
 
-def _has(
-    lay: Layout, full_blocks: int, present: list[list[bool]]
-) -> Callable[[int, int], bool]:
+def _has(lay: Layout, full_blocks: int, present: list[list[bool]]) -> Callable[[int, int], bool]:
     def has(j: int, g: int) -> bool:
         assert 0 <= j < full_blocks, j
         assert lay.group_tail_blocks[g] is not None, "asked about a full group"
@@ -388,8 +379,10 @@ def _without(d: dict[str, Any], key: str) -> dict[str, Any]:
         _without(MIMO_COMPACT, "full"),
         {**MIMO_COMPACT, "full": {"kv_heads": 4, "k_head_dim": 192}},
         {**MIMO_COMPACT, "num_layers": "many"},
-        {"block_size": 16, "layers": [{"kind": "full", "kv_heads": 1, "k_head_dim": 2,
-                                      "v_head_dim": 2}]},  # explicit form, no dtype
+        {
+            "block_size": 16,
+            "layers": [{"kind": "full", "kv_heads": 1, "k_head_dim": 2, "v_head_dim": 2}],
+        },  # explicit form, no dtype
         {"block_size": 16, "dtype": "bfloat16", "layers": [{"kind": "full"}]},
         {"block_size": 16, "dtype": "bfloat16", "layers": "nope"},
     ],

@@ -223,9 +223,7 @@ def test_reads_return_written_bytes(core: DataPlaneCore) -> None:
     msg = wire.Read([ga, gb], [(0, 8192, 3000), (1, 65536 + 100, 50), (0, 8192 + 7, 1)])
     assert read(core, msg) == a + b[100:150] + a[7:8]
     # the same grants again (verified once, cached), other ranges
-    assert read(core, wire.Read([ga, gb], [(1, 65536, 500), (0, 8192 + 2999, 1)])) == (
-        b + a[2999:]
-    )
+    assert read(core, wire.Read([ga, gb], [(1, 65536, 500), (0, 8192 + 2999, 1)])) == (b + a[2999:])
     s = core.stats()
     assert s["reads"] == 2 and s["read_bytes"] == 3051 + 501
     assert s["writes"] == 2 and s["write_bytes"] == 3500 and s["refused"] == 0
