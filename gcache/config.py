@@ -99,10 +99,15 @@ class ClientConfig:
     timeout_s: float = _doc("per-operation timeout; a timeout is a miss", default=5.0)
     layers_in_flight: int = _doc("get_layers: layer reads kept in flight", default=4)
     max_inflight_writes: int = _doc("put: object writes in flight per server", default=8)
+    transport: str = _doc(
+        "data path: auto (shared memory when the server is local), tcp, shm", default="auto"
+    )
 
     def check(self) -> None:
         if self.layers_in_flight < 1 or self.max_inflight_writes < 1:
             raise ConfigError("in-flight limits must be >= 1")
+        if self.transport not in ("auto", "tcp", "shm"):
+            raise ConfigError(f"transport must be auto, tcp or shm, got {self.transport!r}")
 
 
 C = TypeVar("C", MetaConfig, ServerConfig, ClientConfig)

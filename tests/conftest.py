@@ -25,8 +25,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeploy
     assert not leftover, f"segment files left behind: {leftover}"
 
 
-@pytest.fixture
-def client(deployment: LocalDeployment) -> Iterator[GCacheClient]:
-    c = GCacheClient(deployment.client_config())
+@pytest.fixture(params=["tcp", "shm"])
+def client(deployment: LocalDeployment, request: pytest.FixtureRequest) -> Iterator[GCacheClient]:
+    """A client on each data path: every test using it runs over TCP and over
+    shared memory (the transport conformance suite)."""
+    c = GCacheClient(deployment.client_config(transport=request.param))
     yield c
     c.close()

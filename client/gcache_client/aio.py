@@ -34,6 +34,8 @@ from gcache.errors import (
     RemoteError,
     UnknownNamespace,
 )
+from gcache.transport import shm
+from gcache.transport.shm import MappedSegment
 from gcache_client import arrays
 from gcache_client.conn import PipelinedConn, gather_or_cancel
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
@@ -59,6 +61,7 @@ class AsyncGCacheClient:
         self._meta: PipelinedConn | None = None
         self._channel: Any = None
         self._data: dict[tuple[str, str, int], PipelinedConn] = {}
+        self._shm: dict[tuple[str, str], MappedSegment | None] = {}
         self._data_lock = asyncio.Lock()
         self._closed = False
         self.counters: Counter[str] = Counter()
@@ -82,6 +85,10 @@ class AsyncGCacheClient:
         for conn in self._data.values():
             conn.close()
         self._data.clear()
+        for seg in self._shm.values():
+            if seg is not None:
+                seg.close()
+        self._shm.clear()
         if self._channel is not None:
             await self._channel.close()
 
@@ -99,6 +106,20 @@ class AsyncGCacheClient:
     async def _meta_call(self, msg: wire.Msg) -> Any:
         conn = await self._meta_conn()
         return await conn.call(msg, timeout=self.config.timeout_s)
+
+    def _mapped(self, addr: wire.ServerAddr) -> MappedSegment | None:
+        """The server's segment mapped into this process, when the data path is
+        shared memory (``transport`` shm, or auto and the server is local)."""
+        mode = self.config.transport
+        if mode == "tcp":
+            return None
+        key = (addr.server_id, addr.shm_path)
+        if key not in self._shm:
+            seg = None
+            if mode == "shm" or shm.is_local(addr.hostname, addr.shm_path):
+                seg = MappedSegment(addr.shm_path)  # ConnectionLost if it cannot
+            self._shm[key] = seg
+        return self._shm[key]
 
     def _control(self) -> Any:
         if self._channel is None:
@@ -281,7 +302,12 @@ class AsyncGCacheClient:
             payload, sums = self._object_views(layout, views, p.block, p.group)
             async with sem:
                 try:
-                    conn = await self._server(placed.servers[p.server])
+                    addr = placed.servers[p.server]
+                    seg = self._mapped(addr)
+                    if seg is not None:
+                        seg.write(p.grant.offset, payload)
+                        return pi, sums
+                    conn = await self._server(addr)
                     await conn.call(wire.Write(p.grant), payload, timeout=self.config.timeout_s)
                 except GCacheError as exc:
                     log.warning(
@@ -424,13 +450,24 @@ class AsyncGCacheClient:
             kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
             dest += (kd, vd)
             checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
-        conns = {si: await self._server(match.servers[si]) for si in per_server}
-        await gather_or_cancel(
-            *(
-                conns[si].call(wire.Read(grants, ranges), dest=dest, timeout=self.config.timeout_s)
-                for si, (grants, ranges, dest) in per_server.items()
+        remote = {}
+        for si, (_grants, ranges, dest) in per_server.items():
+            seg = self._mapped(match.servers[si])
+            if seg is not None:
+                seg.read_into([(off, n) for _, off, n in ranges], dest)
+            else:
+                remote[si] = await self._server(match.servers[si])
+        if remote:
+            await gather_or_cancel(
+                *(
+                    remote[si].call(
+                        wire.Read(*per_server[si][:2]),
+                        dest=per_server[si][2],
+                        timeout=self.config.timeout_s,
+                    )
+                    for si in remote
+                )
             )
-        )
         for kd, vd, want in checks:
             h = xxhash.xxh3_64(kd)
             h.update(vd)

@@ -28,7 +28,7 @@ TOKS = tokens(40, seed=77)
 
 @pytest.fixture(scope="module")
 def stored(deployment: LocalDeployment) -> Iterator[tuple[GCacheClient, Namespace, list]]:  # type: ignore[type-arg]
-    c = GCacheClient(deployment.client_config())
+    c = GCacheClient(deployment.client_config(transport="tcp"))
     ns = c.register_namespace("bad-input", tiny_hybrid())
     kv = make_kv(ns.layout, len(TOKS), seed=77)
     assert c.put(ns, TOKS, kv).ok

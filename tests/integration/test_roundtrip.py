@@ -31,7 +31,9 @@ def check_layer(kv, layer) -> None:  # type: ignore[no-untyped-def]
 def test_put_lookup_get_layers_identical(
     client: GCacheClient, preset: str, block_size: int, ntokens: int
 ) -> None:
-    ns = client.register_namespace(f"rt-{preset}", preset, block_size=block_size)
+    ns = client.register_namespace(
+        f"rt-{preset}-{client.config.transport}", preset, block_size=block_size
+    )
     layout = ns.layout
     kv = make_kv(layout, ntokens, seed=block_size)
     toks = tokens(ntokens, seed=block_size)
@@ -52,10 +54,13 @@ def test_put_lookup_get_layers_identical(
     assert stream.ok
     assert seen == list(range(layout.num_layers))
     client.release(m)
+    # The data really went the configured way.
+    mapped = [seg for seg in client.aio._shm.values() if seg is not None]
+    assert bool(mapped) == (client.config.transport == "shm")
 
 
 def test_get_into_caller_buffers(client: GCacheClient) -> None:
-    ns = client.register_namespace("rt-buffers", tiny_hybrid())
+    ns = client.register_namespace(f"rt-buffers-{client.config.transport}", tiny_hybrid())
     kv = make_kv(ns.layout, 37, seed=3)
     toks = tokens(37, seed=3)
     assert client.put(ns, toks, kv).ok
@@ -125,7 +130,7 @@ def test_async_client_roundtrip(deployment: LocalDeployment) -> None:
 
 def test_sliding_layers_may_pass_only_the_window(client: GCacheClient) -> None:
     spec = tiny_hybrid(block_size=4, window=8)
-    ns = client.register_namespace("rt-window-only", spec)
+    ns = client.register_namespace(f"rt-window-only-{client.config.transport}", spec)
     kv = make_kv(ns.layout, 40, seed=11)
     # Sliding layers hand over only their last 12 rows, as a windowed cache holds them.
     trimmed = [

@@ -24,7 +24,9 @@ def counters(d: LocalDeployment) -> dict[str, float]:
 def test_prefix_sharing_dedup_and_strict_window(
     deployment: LocalDeployment, client: GCacheClient
 ) -> None:
-    ns = client.register_namespace("sem-prefix", "mimo-v2-flash", block_size=16)
+    ns = client.register_namespace(
+        f"sem-prefix-{client.config.transport}", "mimo-v2-flash", block_size=16
+    )
     layout = ns.layout
     tail = layout.group_tail_blocks[1]
     assert tail == 8  # ceil(127 / 16)
@@ -64,8 +66,12 @@ def test_prefix_sharing_dedup_and_strict_window(
 
 
 def test_namespaces_never_mix(client: GCacheClient) -> None:
-    ns1 = client.register_namespace("sem-ns", "llama-3-8b", block_size=16)
-    ns2 = client.register_namespace("sem-ns", "llama-3-8b", block_size=16, cache_salt="tenant-b")
+    ns1 = client.register_namespace(
+        f"sem-ns-{client.config.transport}", "llama-3-8b", block_size=16
+    )
+    ns2 = client.register_namespace(
+        f"sem-ns-{client.config.transport}", "llama-3-8b", block_size=16, cache_salt="tenant-b"
+    )
     assert ns1.fingerprint != ns2.fingerprint
     toks = tokens(64, seed=4)
     assert client.put(ns1, toks, make_kv(ns1.layout, 64, seed=4)).ok
@@ -128,7 +134,7 @@ def test_killed_server_turns_blocks_into_misses(tmp_path: Path) -> None:
         LocalDeployment(
             tmp_path, servers=2, capacity="64MiB", meta_args=["--heartbeat-timeout-s", "1.5"]
         ) as d,
-        GCacheClient(d.client_config(), timeout_s=2.0) as c,
+        GCacheClient(d.client_config(transport="tcp"), timeout_s=2.0) as c,
     ):
         ns = c.register_namespace("sem-kill", SMALL)
         toks = tokens(16 * 20, seed=20)
@@ -138,9 +144,19 @@ def test_killed_server_turns_blocks_into_misses(tmp_path: Path) -> None:
         assert m.tokens == 320
         on = {m.servers[o.server].server_id for o in m.objects.values()}
         assert on == {"server0", "server1"}  # placement spread the prompt
+        shm_client = GCacheClient(d.client_config(transport="shm"), timeout_s=2.0)
+        m_shm = shm_client.match(ns, toks)
         d.kill_server(1)
-        # Reading through the old match: a miss, not an exception, not garbage.
+        # Reading through the old match over TCP: a miss, not an exception.
         assert c.get(m) is None
+        # Over shared memory the dead server's pages are still mapped: the read
+        # either verifies (the bytes are the right KV) or is a miss, never garbage.
+        got_shm = shm_client.get(m_shm)
+        assert got_shm is None or all(
+            np.array_equal(layer.k, kv[layer.layer][0][layer.start : layer.start + len(layer.k)])
+            for layer in got_shm
+        )
+        shm_client.close()
         stream = c.get_layers(m)
         assert list(stream) == [] or not stream.ok
         assert not stream.ok
@@ -166,7 +182,7 @@ def test_killed_server_turns_blocks_into_misses(tmp_path: Path) -> None:
 
 
 def test_corrupted_bytes_are_a_miss(deployment: LocalDeployment, client: GCacheClient) -> None:
-    ns = client.register_namespace("sem-corrupt", SMALL)
+    ns = client.register_namespace(f"sem-corrupt-{client.config.transport}", SMALL)
     toks = tokens(64, seed=30)
     kv = make_kv(ns.layout, 64, seed=30)
     assert client.put(ns, toks, kv).ok
@@ -192,7 +208,7 @@ def test_prometheus_metrics_endpoint(deployment: LocalDeployment, client: GCache
     import urllib.error
     import urllib.request
 
-    ns = client.register_namespace("sem-metrics", SMALL)
+    ns = client.register_namespace(f"sem-metrics-{client.config.transport}", SMALL)
     toks = tokens(32, seed=40)
     client.put(ns, toks, make_kv(ns.layout, 32, seed=40))
     client.lookup(ns, toks)

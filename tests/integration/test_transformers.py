@@ -96,8 +96,12 @@ def test_evicted_interior_windows_fall_back_to_a_valid_point(
 def test_two_namespaces_same_tokens_no_cross_talk(client: GCacheClient) -> None:
     m1 = tiny_mimo_v2_flash(num_layers=3, hidden_size=128, seed=1)
     m2 = tiny_mimo_v2_flash(num_layers=3, hidden_size=128, seed=2)
-    c1 = TransformersConnector(client, m1, "tiny-mimo/ns-a", block_size=BS)
-    c2 = TransformersConnector(client, m2, "tiny-mimo/ns-b", block_size=BS)
+    c1 = TransformersConnector(
+        client, m1, f"tiny-mimo/ns-a-{client.config.transport}", block_size=BS
+    )
+    c2 = TransformersConnector(
+        client, m2, f"tiny-mimo/ns-b-{client.config.transport}", block_size=BS
+    )
     assert c1.ns.fingerprint != c2.ns.fingerprint
     a = rand_tokens(300, seed=11)
     b = torch.cat([a, rand_tokens(40, seed=12)])
