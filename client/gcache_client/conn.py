@@ -103,8 +103,7 @@ class PipelinedConn:
                 if head.msg_type == wire.T_READ_DATA:
                     if dest is None or sum(v.nbytes for v in dest) != head.payload_len:
                         raise ProtocolError("READ reply size does not match the request")
-                    for view in dest:
-                        await stream.recv_into(view)
+                    await stream.recv_into_many(dest)
                 elif head.payload_len:
                     await stream.discard(head.payload_len)
                 if fut.done():

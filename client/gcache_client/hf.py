@@ -139,12 +139,20 @@ class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
                     arrays.as_torch(k, self._gc_layout_dtype),
                     arrays.as_torch(v, self._gc_layout_dtype),
                 )
+            # [rows, heads, dim] -> [1, heads, rows, dim] as a view: the model's own
+            # update() concatenates the new tokens onto it, which is the one copy
+            # the in-process cache pays too.
             k = k.permute(1, 0, 2).unsqueeze(0).to(self._gc_device, self._gc_dtype)
             v = v.permute(1, 0, 2).unsqueeze(0).to(self._gc_device, self._gc_dtype)
             layer = self.layers[lkv.layer]
-            layer.update(k, v)
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
             if getattr(layer, "is_sliding", False):
+                keep = layer.sliding_window - 1  # what transformers keeps of a window
+                layer.keys, layer.values = k[:, :, -keep:], v[:, :, -keep:]
                 layer.cumulative_length = self._gc_prefix
+            else:
+                layer.keys, layer.values = k, v
             self._gc_next += 1
 
     def loaded_all(self) -> None:

@@ -60,15 +60,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"clients: GCacheClient(meta='{d.meta_addr}', meta_grpc='{d.meta_grpc}')")
         print(f"status:  gcache status --meta-grpc {d.meta_grpc}", flush=True)
         if args.demo:
-            from gcache.cli.demo import run_demo
-
-            print("\nrunning the built-in workload (MiMo-V2-Flash layout, multi-turn chats):")
-            rep = run_demo(
-                d.client_config(), conversations=args.demo_conversations, turns=args.demo_turns
+            run_workloads(
+                d.client_config(), args.demo_workload, args.demo_conversations, args.demo_turns
             )
-            print("\nworkload summary:")
-            for line in rep.lines():
-                print("  " + line)
             print()
             print_status(d.stats())
         print("\nserving; Ctrl-C to stop", flush=True)
@@ -85,6 +79,41 @@ def cmd_up(args: argparse.Namespace) -> int:
         codes = d.stop()
         print(f"stopped: {', '.join(f'{k}={v}' for k, v in codes.items())}", flush=True)
     return 0 if stop["signal"] != -1 else 1
+
+
+def run_workloads(cfg: ClientConfig, which: str, conversations: int, turns: int) -> bool:
+    """The built-in workloads; returns False if any check failed."""
+    ok = True
+    if which in ("chat", "both"):
+        try:
+            from gcache_client.chat_demo import run_chat, summary
+        except ImportError as exc:
+            print(f"\n(model workload skipped: {exc}; install the 'hf' extra)")
+        else:
+            from gcache_client import GCacheClient
+
+            print(
+                "\nworkload 1: multi-turn chat, a real MiMo-V2-Flash-architecture model "
+                "reusing its prefixes through GCache"
+            )
+            with GCacheClient(cfg) as gc:
+                reports = run_chat(gc, conversations=conversations, turns=turns)
+            for line in summary(reports):
+                print("  " + line)
+            ok = ok and all(r.exact for r in reports)
+    if which in ("store", "both"):
+        from gcache.cli.demo import run_demo
+
+        print(
+            "\nworkload 2: the store alone, full-size MiMo-V2-Flash KV layout (48 layers), "
+            "byte-verified:"
+        )
+        rep = run_demo(cfg, conversations=conversations, turns=turns)
+        print("summary:")
+        for line in rep.lines():
+            print("  " + line)
+        ok = ok and rep.mismatches == 0
+    return ok
 
 
 def print_status(reply: Any) -> None:
@@ -130,16 +159,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gcache.cli.demo import run_demo
-
-    rep = run_demo(
-        ClientConfig(meta=args.meta, meta_grpc=args.meta_grpc),
-        conversations=args.conversations,
-        turns=args.turns,
-    )
-    for line in rep.lines():
-        print(line)
-    return 0 if rep.mismatches == 0 else 1
+    cfg = ClientConfig(meta=args.meta, meta_grpc=args.meta_grpc)
+    return 0 if run_workloads(cfg, args.workload, args.conversations, args.turns) else 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,8 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--timeout", type=float, default=30.0, help="seconds to become healthy")
     up.add_argument("--log-level", default="info")
     up.add_argument("--demo", action="store_true", help="run the built-in workload once up")
-    up.add_argument("--demo-conversations", type=int, default=4)
+    up.add_argument("--demo-conversations", type=int, default=2)
     up.add_argument("--demo-turns", type=int, default=4)
+    up.add_argument(
+        "--demo-workload",
+        choices=["chat", "store", "both"],
+        default="both",
+        help="chat: a real model reusing prefixes; store: raw KV put/get",
+    )
     up.set_defaults(func=cmd_up)
 
     st = sub.add_parser("status", help="servers, capacity, usage, objects, hits and misses")
@@ -185,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="run the built-in workload against a running deployment")
     demo.add_argument("--meta", default="127.0.0.1:7700")
     demo.add_argument("--meta-grpc", default="127.0.0.1:7701")
-    demo.add_argument("--conversations", type=int, default=4)
+    demo.add_argument("--conversations", type=int, default=2)
+    demo.add_argument("--workload", choices=["chat", "store", "both"], default="both")
     demo.add_argument("--turns", type=int, default=4)
     demo.set_defaults(func=cmd_demo)
 

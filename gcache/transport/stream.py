@@ -84,6 +84,50 @@ class FrameStream:
                 raise ConnectionLost("peer closed the connection")
             view = view[n:]
 
+    async def recv_into_many(self, views: Sequence[memoryview]) -> None:
+        """Fill every view in order with as few syscalls as the socket allows
+        (``recvmsg_into`` scatters one read across up to 512 views)."""
+        if self._closed:
+            raise ClosedError("stream closed")
+        pending = [v.cast("B") if v.format != "B" else v for v in views if v.nbytes]
+        sock = self.sock
+        i = 0
+        while i < len(pending):
+            try:
+                n = sock.recvmsg_into(pending[i : i + _IOV_BATCH])[0]
+            except BlockingIOError:
+                await self._readable()
+                continue
+            except OSError as exc:
+                if self._closed:
+                    raise ClosedError("stream closed") from exc
+                raise ConnectionLost(f"receive failed: {exc}") from exc
+            if n == 0:
+                raise ConnectionLost("peer closed the connection")
+            while n:
+                size = pending[i].nbytes
+                if n >= size:
+                    n -= size
+                    i += 1
+                else:
+                    pending[i] = pending[i][n:]
+                    n = 0
+
+    async def _readable(self) -> None:
+        loop = self._loop
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        fd = self.sock.fileno()
+        loop.add_reader(fd, ready)
+        try:
+            await fut
+        finally:
+            loop.remove_reader(fd)
+
     async def recv_head(self) -> wire.FrameHead | None:
         """Next frame header, or ``None`` on a clean EOF between frames."""
         head = memoryview(self._head)
