@@ -64,7 +64,7 @@ def test_up_demo_status_and_clean_stop(tmp_path: Path) -> None:
             "256MiB",
             "--demo",
             "--demo-conversations",
-            "2",
+            "1",
             "--demo-turns",
             "2",
         ],
@@ -86,6 +86,9 @@ def test_up_demo_status_and_clean_stop(tmp_path: Path) -> None:
         text = "".join(lines)
         assert "serving; Ctrl-C to stop" in text, text
         assert "mismatches: 0" in text
+        # The model workload ran and every turn's logits matched a cold recompute.
+        assert re.search(r"exact logits\s+2 of 2 turns", text), text
+        assert re.search(r"reused from GCache [1-9]", text), text
         grpc_addr = re.search(r"meta gRPC\s+(\S+)", text)
         assert grpc_addr is not None
         reply = fetch_stats(grpc_addr.group(1))
