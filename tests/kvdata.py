@@ -42,3 +42,13 @@ def tiny_hybrid(block_size: int = 4, window: int = 8) -> LayoutSpec:
     full = LayerSpec("full", kv_heads=2, k_head_dim=8, v_head_dim=4)
     swa = LayerSpec("swa", kv_heads=1, k_head_dim=8, v_head_dim=4, window=window)
     return LayoutSpec(block_size=block_size, dtype="float16", layers=(full, swa, swa, full))
+
+
+def assert_layers_match(got: object, kv: KV) -> None:
+    """Every returned layer equals the rows of ``kv`` it claims to hold."""
+    assert got is not None, "expected a hit, got a miss"
+    for layer in got:  # type: ignore[attr-defined]
+        k, v = kv[layer.layer]
+        n = len(layer.k)
+        assert np.array_equal(np.asarray(layer.k), k[layer.start : layer.start + n])
+        assert np.array_equal(np.asarray(layer.v), v[layer.start : layer.start + n])

@@ -77,9 +77,7 @@ class FrameStream:
             try:
                 n = await loop.sock_recv_into(sock, view)
             except OSError as exc:
-                if self._closed:
-                    raise ClosedError("stream closed") from exc
-                raise ConnectionLost(f"receive failed: {exc}") from exc
+                raise self._recv_error(exc) from exc
             if n == 0:
                 raise ConnectionLost("peer closed the connection")
             view = view[n:]
@@ -99,9 +97,7 @@ class FrameStream:
                 await self._readable()
                 continue
             except OSError as exc:
-                if self._closed:
-                    raise ClosedError("stream closed") from exc
-                raise ConnectionLost(f"receive failed: {exc}") from exc
+                raise self._recv_error(exc) from exc
             if n == 0:
                 raise ConnectionLost("peer closed the connection")
             while n:
@@ -136,9 +132,7 @@ class FrameStream:
         try:
             n = await self._loop.sock_recv_into(self.sock, head)
         except OSError as exc:
-            if self._closed:
-                raise ClosedError("stream closed") from exc
-            raise ConnectionLost(f"receive failed: {exc}") from exc
+            raise self._recv_error(exc) from exc
         if n == 0:
             return None
         if n < wire.HEADER_SIZE:
@@ -211,6 +205,11 @@ class FrameStream:
                     await self._loop.sock_sendall(sock, rest)
                 except OSError as exc:
                     raise self._send_error(exc) from exc
+
+    def _recv_error(self, exc: OSError) -> Exception:
+        if self._closed:
+            return ClosedError("stream closed")
+        return ConnectionLost(f"receive failed: {exc}")
 
     def _send_error(self, exc: OSError) -> Exception:
         if self._closed:

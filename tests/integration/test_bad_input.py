@@ -21,7 +21,7 @@ from gcache.errors import (
 )
 from gcache_client import GCacheClient, Match, Namespace
 from tests import rawwire
-from tests.kvdata import make_kv, tiny_hybrid, tokens
+from tests.kvdata import assert_layers_match, make_kv, tiny_hybrid, tokens
 
 TOKS = tokens(40, seed=77)
 
@@ -39,12 +39,7 @@ def stored(deployment: LocalDeployment) -> Iterator[tuple[GCacheClient, Namespac
 def assert_intact(client: GCacheClient, ns: Namespace, kv: list) -> None:  # type: ignore[type-arg]
     m = client.match(ns, TOKS)
     assert m.tokens == 40
-    got = client.get(m)
-    assert got is not None
-    for layer in got:
-        k, v = kv[layer.layer]
-        assert np.array_equal(layer.k, k[layer.start : layer.start + len(layer.k)])
-        assert np.array_equal(layer.v, v[layer.start : layer.start + len(layer.v)])
+    assert_layers_match(client.get(m), kv)
     client.release(m)
 
 

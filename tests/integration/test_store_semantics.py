@@ -14,7 +14,7 @@ import pytest
 from gcache.cli.deploy import LocalDeployment
 from gcache.layout import LayerSpec, LayoutSpec
 from gcache_client import GCacheClient
-from tests.kvdata import make_kv, shared_kv, tokens
+from tests.kvdata import assert_layers_match, make_kv, shared_kv, tokens
 
 
 def counters(d: LocalDeployment) -> dict[str, float]:
@@ -56,12 +56,7 @@ def test_prefix_sharing_dedup_and_strict_window(
     assert client.lookup(ns, c_toks) == 0
 
     m = client.match(ns, b_toks)
-    got = client.get(m)
-    assert got is not None
-    for layer in got:
-        k, v = b_kv[layer.layer]
-        assert np.array_equal(layer.k, k[layer.start : layer.start + len(layer.k)])
-        assert np.array_equal(layer.v, v[layer.start : layer.start + len(layer.v)])
+    assert_layers_match(client.get(m), b_kv)
     client.release(m)
 
 
@@ -120,12 +115,7 @@ def test_lease_keeps_object_readable_through_eviction(small_deployment: LocalDep
         assert c.lookup(ns, a) == 0, "A should have been evicted"
         assert counters(small_deployment)["evictions"] > 0
         # The lease still pins A's bytes: reading through the old match is exact.
-        got = c.get(m)
-        assert got is not None
-        for layer in got:
-            k, v = a_kv[layer.layer]
-            assert np.array_equal(layer.k, k[layer.start : layer.start + len(layer.k)])
-            assert np.array_equal(layer.v, v[layer.start : layer.start + len(layer.v)])
+        assert_layers_match(c.get(m), a_kv)
         c.release(m)
 
 
