@@ -1,0 +1,128 @@
+"""``gcache-bench get_layers``: a whole prompt fetched layer by layer while the
+caller computes.
+
+The prompt's KV (zeros of the layout's shape; checksums are still computed and
+verified) is put once. A transfer-only pass measures how long each layer takes to
+arrive when nobody computes. Then each iteration fetches the prompt again while the
+caller spends ``compute_s`` per layer (``sleep``, or a numpy ``matmul`` sized to
+take that long), and records the time to the first layer and the total.
+``overlap = (compute-only time + one layer's transfer) / measured time``: 1.0 means
+transfers hid completely behind compute.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from gcache.benchtool.stats import Progress, Samples
+from gcache.layout import Layout
+from gcache_client import GCacheClient, Namespace
+
+
+def zero_kv(layout: Layout, ntokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    from gcache_client.arrays import NUMPY_DTYPES
+
+    dt = NUMPY_DTYPES[layout.dtype]
+    nblocks = ntokens // layout.block_size
+    out = []
+    for i, spec in enumerate(layout.spec.layers):
+        tail = layout.group_tail_blocks[layout.layer_group[i]]
+        rows = ntokens if tail is None else min(nblocks, tail) * layout.block_size
+        out.append(
+            (
+                np.zeros((rows, spec.kv_heads, spec.k_head_dim), dt),
+                np.zeros((rows, spec.kv_heads, spec.v_head_dim), dt),
+            )
+        )
+    return out
+
+
+class MatmulCompute:
+    """A CPU-bound stand-in for a layer's compute that releases the GIL (BLAS)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.a = np.ones((256, 256), np.float32)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            self.a @ self.a
+        per = (time.perf_counter() - t0) / 20
+        self.reps = max(1, round(seconds / per))
+
+    def __call__(self) -> None:
+        for _ in range(self.reps):
+            self.a @ self.a
+
+
+def run_get_layers(
+    client: GCacheClient,
+    ns: Namespace,
+    tokens: np.ndarray,
+    iters: int,
+    compute: str,
+    compute_us: float,
+    progress: Progress,
+) -> tuple[Samples, dict[str, Any]]:
+    layout = ns.layout
+    res = client.put(ns, tokens, zero_kv(layout, len(tokens)))
+    if not res.ok:
+        raise RuntimeError(f"could not store the prompt: {res}")
+
+    def fetch(work: Any) -> tuple[float, float, float, int]:
+        m = client.match(ns, tokens)
+        nbytes = 0
+        t0 = time.perf_counter()
+        first = 0.0
+        stream = client.get_layers(m)
+        for i, layer in enumerate(stream):
+            if i == 0:
+                first = time.perf_counter() - t0
+            nbytes += layer.k.nbytes + layer.v.nbytes
+            work()
+        total = time.perf_counter() - t0
+        client.release(m)
+        if not stream.ok:
+            raise RuntimeError(f"get_layers failed: {stream.error}")
+        return t0, first, total, nbytes
+
+    transfer = [fetch(lambda: None) for _ in range(3)]
+    transfer_s = statistics.median(t[2] for t in transfer)
+    per_layer = transfer_s / layout.num_layers
+    c = compute_us / 1e6 if compute_us > 0 else per_layer
+    if compute == "matmul":
+        work: Any = MatmulCompute(c)
+        t0 = time.perf_counter()
+        for _ in range(layout.num_layers):
+            work()
+        compute_only = time.perf_counter() - t0
+    else:
+
+        def work() -> None:
+            time.sleep(c)
+
+        compute_only = c * layout.num_layers
+    samples = Samples()
+    firsts, totals = [], []
+    for i in range(iters):
+        t0, first, total, nbytes = fetch(work)
+        samples.add(t0, t0 + total, nbytes)
+        firsts.append(first)
+        totals.append(total)
+        progress.update(i + 1)
+    progress.close()
+    measured = statistics.median(totals)
+    extra = {
+        "prompt_tokens": len(tokens),
+        "layers": layout.num_layers,
+        "compute": compute,
+        "compute_per_layer_us": c * 1e6,
+        "transfer_only_us": transfer_s * 1e6,
+        "compute_only_us": compute_only * 1e6,
+        "ttfl_us": statistics.median(firsts) * 1e6,
+        "total_us": measured * 1e6,
+        "overlap": (compute_only + per_layer) / measured,
+    }
+    return samples, extra
