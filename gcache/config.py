@@ -55,7 +55,14 @@ class MetaConfig:
     put_timeout_s: float = _doc("reclaim a begun, uncommitted put after this", default=30.0)
     high_watermark: float = _doc("start evicting above this fraction used", default=0.90)
     low_watermark: float = _doc("evict down to this fraction used", default=0.80)
-    eviction_policy: str = _doc("eviction policy: lru", default="lru")
+    eviction_policy: str = _doc(
+        "eviction policy: cost (recompute FLOPs x decaying reuse / bytes) or lru",
+        default="lru",
+    )
+    checkpoint_interval: int = _doc(
+        "tokens between SWA checkpoint positions the meta asks clients to save; 0: off",
+        default=512,
+    )
     max_keys_per_request: int = _doc("largest batch a request may carry", default=1 << 17)
     metrics_port: int = _doc("Prometheus /metrics HTTP port; -1 disables, 0 any free", default=7702)
     ready_file: str = _doc("write 'host port grpc_port metrics_port' here when up", default="")
@@ -63,8 +70,10 @@ class MetaConfig:
     def check(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1.0:
             raise ConfigError("need 0 < low_watermark < high_watermark <= 1")
-        if self.eviction_policy not in ("lru",):
+        if self.eviction_policy not in ("lru", "cost"):
             raise ConfigError(f"unknown eviction policy {self.eviction_policy!r}")
+        if self.checkpoint_interval < 0:
+            raise ConfigError("checkpoint_interval must be >= 0")
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
 

@@ -134,6 +134,49 @@ class Layout:
                 masks[i] |= bit
         return masks
 
+    def checkpoint_positions(
+        self, nblocks: int, branch: int, first: int, interval: int, dense: bool
+    ) -> list[int]:
+        """The checkpoint rule: block positions inside a prompt of ``nblocks`` blocks
+        where an extra window is worth saving, given that its first ``branch``
+        blocks are cached and the client holds windowed rows from block ``first``
+        (so only positions whose whole window lies there):
+
+        * ``branch``, where the prompt leaves the cached tree: the next prompt that
+          shares exactly this prefix resumes there;
+        * the last multiple of ``interval`` blocks before the end: a follow-up turn
+          re-sends the prompt with its ending changed (chat template, a partial
+          last block), so it shares a prefix that stops shortly before the end;
+        * with ``dense`` (free space nothing would be evicted for), every multiple
+          of ``interval`` between the two."""
+        if interval <= 0 or nblocks <= 0:
+            return []
+        tail = max((t for t in self.group_tail_blocks if t is not None), default=0)
+        if not tail:
+            return []
+        lo = max(first, 0) + tail
+        out: list[int] = []
+        if lo <= branch < nblocks:
+            out.append(branch)
+        last = nblocks // interval * interval
+        if dense:
+            step = max(lo, branch + 1)
+            out.extend(range(-(-step // interval) * interval, last, interval))
+        if lo <= last < nblocks and last != branch:
+            out.append(last)
+        return out
+
+    def add_windows(self, masks: list[int], positions: list[int]) -> list[int]:
+        """``masks`` (from :meth:`groups_to_store`) plus the windowed objects of a
+        match ending at each of ``positions``."""
+        out = list(masks)
+        for c in positions:
+            for g, tail in enumerate(self.group_tail_blocks):
+                if tail is not None:
+                    for j in range(max(0, c - tail), min(c, len(out))):
+                        out[j] |= 1 << g
+        return out
+
     def stored_bytes(self, nblocks: int) -> int:
         """Bytes strict O(W) stores for a prompt of ``nblocks`` full blocks."""
         total = 0

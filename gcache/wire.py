@@ -110,11 +110,14 @@ class ServerAddr(Msg):
 
 class PutBegin(Msg):
     """Chained keys of the prompt's blocks from block 0, and for each block a bitmask
-    of the layout groups the client offers to store."""
+    of the layout groups the client offers to store. ``checkpoint_from``: the first
+    block whose windowed (sliding) rows the client holds, so the meta may ask for
+    checkpoint windows from there on; -1 (old clients): only what ``groups`` offers."""
 
     namespace: bytes
     keys: list[bytes]
     groups: list[int]
+    checkpoint_from: int = -1
 
 
 class Placement(Msg):
@@ -125,10 +128,15 @@ class Placement(Msg):
 
 
 class PutPlaced(Msg):
+    """``checkpoints``: block positions where the meta added a window (the windowed
+    objects of the ``tail`` blocks before each) to what the client offered; their
+    placements are among ``placements``."""
+
     put_id: int
     placements: list[Placement]
     servers: list[ServerAddr]
     no_space: int = 0
+    checkpoints: list[int] = []
 
 
 class PutCommit(Msg):

@@ -282,16 +282,26 @@ class AsyncGCacheClient:
         views = self._check_kv(ns, ntokens, nblocks, kv)
         block_keys = keymod.block_keys(ns.fingerprint, tokens, layout.block_size, extras)
         masks = layout.groups_to_store(nblocks)
-        wanted = sum(bin(m).count("1") for m in masks)
+        # The meta may ask for checkpoint windows (an SWA window inside the prompt,
+        # where a later prompt can resume) on blocks whose windowed rows we hold.
+        ckpt_from = -1
+        bs = layout.block_size
+        for i, (_, _, start) in enumerate(views):
+            if layout.group_tail_blocks[layout.layer_group[i]] is not None:
+                ckpt_from = max(ckpt_from, -(-start // bs))
         try:
             placed: wire.PutPlaced = await self._ns_call(
-                ns, wire.PutBegin(ns.fingerprint, block_keys, masks)
+                ns, wire.PutBegin(ns.fingerprint, block_keys, masks, ckpt_from)
             )
         except GCacheError as exc:
             log.warning("put: PutBegin failed: %s", exc)
             result.error = str(exc)
             self.counters["put_errors"] += 1
             return result
+        if placed.checkpoints:
+            masks = layout.add_windows(masks, placed.checkpoints)
+            self.counters["checkpoints_saved"] += len(placed.checkpoints)
+        wanted = sum(bin(m).count("1") for m in masks)
         result.no_space = placed.no_space
         result.deduped = wanted - len(placed.placements) - placed.no_space
         if not placed.placements:
@@ -299,6 +309,11 @@ class AsyncGCacheClient:
         sem = asyncio.Semaphore(self.config.max_inflight_writes * max(1, len(placed.servers)))
 
         async def write_one(pi: int, p: wire.Placement) -> tuple[int, bytes] | None:
+            if not 0 <= p.block < nblocks or any(
+                p.block * bs < views[layer][2] for layer in layout.group_layers[p.group]
+            ):
+                log.warning("put: placement for block %d outside the rows we hold", p.block)
+                return None
             payload, sums = self._object_views(layout, views, p.block, p.group)
             async with sem:
                 try:

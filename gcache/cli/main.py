@@ -1,4 +1,4 @@
-"""``gcache``: ``up`` (a whole local deployment), ``status`` and ``demo``."""
+"""``gcache``: ``up`` (a whole local deployment), ``status``, ``demo`` and ``replay``."""
 
 from __future__ import annotations
 
@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--workload", choices=["chat", "store", "both"], default="both")
     demo.add_argument("--turns", type=int, default=4)
     demo.set_defaults(func=cmd_demo)
+
+    from gcache.replay.cli import add_parser as add_replay
+
+    add_replay(sub)
 
     args = parser.parse_args(argv)
     raise SystemExit(args.func(args))

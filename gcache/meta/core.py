@@ -27,15 +27,18 @@ from gcache.errors import (
     Refusal,
 )
 from gcache.layout import Layout, LayoutSpec
-from gcache.meta.eviction import make_policy
+from gcache.meta.eviction import EvictionPolicy, make_policy
 from gcache.meta.records import (
     EVICTED,
     GONE,
+    LIVE,
     BlockEntry,
     Lease,
     NamespaceRecord,
     ObjectRecord,
     PendingPut,
+    Placed,
+    Plan,
     ServerRecord,
 )
 
@@ -54,6 +57,7 @@ COUNTERS = (
     "objects_no_space",
     "evictions",
     "evicted_bytes",
+    "checkpoints_placed",
     "leases_granted",
     "leases_expired",
     "servers_registered",
@@ -80,7 +84,7 @@ class MetaCore:
         self.servers: dict[str, ServerRecord] = {}
         self.puts: dict[int, PendingPut] = {}
         self.leases: dict[int, Lease] = {}
-        self.policy = make_policy(cfg.eviction_policy)
+        self.policy: EvictionPolicy = make_policy(cfg.eviction_policy)
         self._put_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._put_heap: list[tuple[float, int]] = []
@@ -90,6 +94,7 @@ class MetaCore:
         self.live_objects = 0
         self.live_bytes = 0
         self.group_bytes: Counter[str] = Counter()
+        self._live: list[ServerRecord] | None = None  # live servers, rebuilt on change
 
     # ---- control plane -------------------------------------------------------------
 
@@ -116,6 +121,7 @@ class MetaCore:
             self.drop_server(old, reason="re-registered with a new incarnation")
         rec = ServerRecord(addr.server_id, addr, secret, incarnation, capacity, now)
         self.servers[addr.server_id] = rec
+        self._live = None
         self.counters["servers_registered"] += 1
         return rec
 
@@ -136,6 +142,7 @@ class MetaCore:
         if not rec.alive:
             return
         rec.alive = False
+        self._live = None
         self.counters["servers_dropped"] += 1
         for ns in self.namespaces.values():
             for entry in list(ns.entries.values()):
@@ -147,9 +154,7 @@ class MetaCore:
                     self._prune(ns, entry)
         if self.servers.get(rec.server_id) is rec:
             del self.servers[rec.server_id]
-        forget = getattr(self.policy, "forget_server", None)
-        if forget is not None:
-            forget(rec)
+        self.policy.forget_server(rec)
 
     # ---- hot path: put ---------------------------------------------------------------
 
@@ -173,36 +178,18 @@ class MetaCore:
         self._check_keys(req.keys)
         if len(req.groups) != len(req.keys):
             raise Refusal(E_BAD_REQUEST, "groups must have one bitmask per key")
-        layout = ns.layout
-        allowed = (1 << layout.num_groups) - 1
+        allowed = (1 << ns.layout.num_groups) - 1
         if any(m & ~allowed for m in req.groups):
             raise Refusal(E_BAD_REQUEST, f"group bitmask outside {allowed:#x}")
+        if not -1 <= req.checkpoint_from <= len(req.keys):
+            raise Refusal(E_BAD_REQUEST, f"checkpoint_from {req.checkpoint_from} out of range")
         put_id = next(self._put_ids)
         deadline = now + self.cfg.put_timeout_s
         expiry_ms = _wall_ms(wall, now, deadline - GRANT_MARGIN_S)
-        placed: list[tuple[int, int, ServerRecord, int, int]] = []
-        no_space = 0
-        entries = ns.entries
-        for i, (key, mask) in enumerate(zip(req.keys, req.groups, strict=True)):
-            if not mask:
-                continue
-            entry = entries.get(key)
-            for g in range(layout.num_groups):
-                if not mask >> g & 1:
-                    continue
-                if entry is not None and entry.objects[g] is not None:
-                    self.counters["objects_deduped"] += 1
-                    continue
-                size = layout.group_object_bytes[g]
-                where = self._allocate(size, now)
-                if where is None:
-                    no_space += 1
-                    continue
-                placed.append((i, g, where[0], where[1], size))
-        self.counters["puts_begun"] += 1
-        self.counters["objects_no_space"] += no_space
+        plan = self.place(ns, req.keys, req.groups, now, req.checkpoint_from)
+        placed = plan.placements
         if not placed:
-            return wire.PutPlaced(put_id=0, placements=[], servers=[], no_space=no_space)
+            return wire.PutPlaced(put_id=0, placements=[], servers=[], no_space=plan.no_space)
         self.puts[put_id] = PendingPut(put_id, ns, list(req.keys), placed, deadline)
         heapq.heappush(self._put_heap, (deadline, put_id))
         index: dict[str, int] = {}
@@ -215,21 +202,148 @@ class MetaCore:
                 servers.append(srv.addr)
             tag = capability.mint(srv.secret, capability.KIND_WRITE, off, size, expiry_ms)
             placements.append(wire.Placement(block, g, si, wire.Grant(off, size, expiry_ms, tag)))
-        return wire.PutPlaced(put_id, placements, servers, no_space)
+        return wire.PutPlaced(put_id, placements, servers, plan.no_space, plan.checkpoints)
+
+    def place(
+        self,
+        ns: NamespaceRecord,
+        key_list: list[bytes],
+        masks: list[int],
+        now: float,
+        checkpoint_from: int = -1,
+    ) -> Plan:
+        """Plan a put of a validated request: skip stored objects (dedup), add the
+        checkpoint windows the meta wants (only on blocks from ``checkpoint_from``,
+        the first block whose windowed rows the client holds; -1: none), allocate.
+        Used by ``put_begin`` and in-process drivers."""
+        entries = ns.entries
+        fg = ns.full_group
+        branch = 0  # how far the prompt follows blocks with their full object cached
+        if fg is not None:
+            for key in key_list:
+                e = entries.get(key)
+                if e is None or e.objects[fg] is None:
+                    break
+                branch += 1
+        checkpoints: list[int] = []
+        if checkpoint_from >= 0 and fg is not None:
+            checkpoints = self._checkpoints(ns, key_list, branch, checkpoint_from)
+            if checkpoints:
+                masks = ns.layout.add_windows(masks, checkpoints)
+        placed: list[Placed] = []
+        start = 0
+        if branch and fg is not None and masks[:branch].count(1 << fg) == branch:
+            # The cached prefix, offered full objects only: all present, no probe.
+            start = branch
+        evictions = self.counters["evictions"]
+        deduped, no_space = self._place_objects(ns, key_list, masks, start, now, placed)
+        deduped += start
+        if self.counters["evictions"] != evictions:
+            # Making room evicted objects this put had counted as stored: place them.
+            again, more = self._place_objects(ns, key_list, masks, 0, now, placed)
+            deduped = again
+            no_space += more
+        self.counters["puts_begun"] += 1
+        self.counters["objects_no_space"] += no_space
+        self.counters["objects_deduped"] += deduped
+        self.counters["checkpoints_placed"] += len(checkpoints)
+        return Plan(placed, no_space, checkpoints)
+
+    def _place_objects(
+        self,
+        ns: NamespaceRecord,
+        key_list: list[bytes],
+        masks: list[int],
+        start: int,
+        now: float,
+        placed: list[Placed],
+    ) -> tuple[int, int]:
+        """Allocate every object ``masks`` asks for from block ``start`` that is
+        neither stored nor in ``placed`` yet. Returns (already stored, no space)."""
+        entries = ns.entries
+        sizes = ns.layout.group_object_bytes
+        have = {(p[0], p[1]) for p in placed} if placed else None
+        deduped = no_space = 0
+        live = self._live_servers()
+        # One server (the replayer, small deployments): allocate there directly.
+        only = live[0] if len(live) == 1 else None
+        alloc = only.allocator.alloc if only is not None else None
+        for i in range(start, len(key_list)):
+            mask = masks[i]
+            if not mask:
+                continue
+            entry = entries.get(key_list[i])
+            g = 0
+            while mask:
+                if mask & 1 and (have is None or (i, g) not in have):
+                    if entry is not None and entry.objects[g] is not None:
+                        deduped += 1
+                    else:
+                        size = sizes[g]
+                        off = alloc(size) if alloc is not None else None
+                        if off is not None and only is not None:
+                            placed.append((i, g, only, off, size))
+                        else:
+                            where = self._allocate(size, now)
+                            if where is None:
+                                no_space += 1
+                            else:
+                                placed.append((i, g, where[0], where[1], size))
+                mask >>= 1
+                g += 1
+        return deduped, no_space
+
+    def _checkpoints(
+        self, ns: NamespaceRecord, key_list: list[bytes], branch: int, first: int
+    ) -> list[int]:
+        """:meth:`Layout.checkpoint_positions` for this prompt, dense while the store
+        is below its low watermark, less the windows that are complete already."""
+        layout = ns.layout
+        interval = self.cfg.checkpoint_interval // layout.block_size
+        if interval <= 0:
+            return []
+        dense = self._below_low_watermark()
+        entries = ns.entries
+        out = []
+        for c in layout.checkpoint_positions(len(key_list), branch, first, interval, dense):
+            for g, t in ns.windowed:
+                if any(
+                    (e := entries.get(key_list[j])) is None or e.objects[g] is None
+                    for j in range(max(0, c - t), c)
+                ):
+                    out.append(c)
+                    break
+        return out
+
+    def _below_low_watermark(self) -> bool:
+        used = cap = 0
+        for srv in self._live_servers():
+            used += srv.reclaimable_used
+            cap += srv.allocator.capacity
+        return used < self.cfg.low_watermark * cap
+
+    def _live_servers(self) -> list[ServerRecord]:
+        live = self._live
+        if live is None:
+            live = self._live = [s for s in self.servers.values() if s.alive]
+        return live
 
     def _allocate(self, size: int, now: float) -> tuple[ServerRecord, int] | None:
         """Place ``size`` bytes on the live server with the most free space,
         evicting there if nothing fits."""
-        live = sorted(
-            (s for s in self.servers.values() if s.alive),
-            key=lambda s: s.allocator.free_bytes,
-            reverse=True,
-        )
-        for srv in live:
+        live = self._live_servers()
+        if not live:
+            return None
+        best = live[0] if len(live) == 1 else max(live, key=lambda s: s.allocator.free_bytes)
+        off = best.allocator.alloc(size)
+        if off is not None:
+            return best, off
+        order = sorted(live, key=lambda s: s.allocator.free_bytes, reverse=True)
+        for srv in order:
             off = srv.allocator.alloc(size)
             if off is not None:
                 return srv, off
-        for srv in live:
+        for srv in order:
             self._evict(srv, need_contiguous=size)
             off = srv.allocator.alloc(size)
             if off is not None:
@@ -253,15 +367,36 @@ class MetaCore:
                     E_BAD_REQUEST, f"placement {pi}: {len(sums)} checksum bytes, want {want}"
                 )
         del self.puts[req.put_id]
-        committed = 0
-        done = dict(req.done)
+        return self.commit(put.ns, put.keys, put.placements, dict(req.done), now)
+
+    def commit(
+        self,
+        ns: NamespaceRecord,
+        key_list: list[bytes],
+        placements: list[Placed],
+        done: dict[int, bytes] | None,
+        now: float,
+    ) -> int:
+        """Make the placements written (``done``: placement index -> checksums; None:
+        all of them, without checksums, for in-process drivers) visible; free the
+        rest. Returns the objects committed."""
+        layout = ns.layout
+        entries = ns.entries
+        objs: list[ObjectRecord] = []
         touched: set[ServerRecord] = set()
-        for pi, (block, g, srv, off, size) in enumerate(put.placements):
-            obj_sums = done.get(pi)
+        added = [0] * layout.num_groups
+        last = -1
+        entry: BlockEntry | None = None
+        last_srv: ServerRecord | None = None
+        for pi, (block, g, srv, off, size) in enumerate(placements):
+            obj_sums = b"" if done is None else done.get(pi)
             if obj_sums is None or not srv.alive:
                 self._free_range(srv, off, size)
                 continue
-            entry = self._ensure_entry(put.ns, put.keys, block)
+            if block != last or entry is None:  # placements come block by block
+                got = entries.get(key_list[block])
+                entry = got if got is not None else self._ensure_entry(ns, key_list, block)
+                last = block
             if entry.objects[g] is not None:  # a concurrent put committed it first
                 self._free_range(srv, off, size)
                 self.counters["objects_deduped"] += 1
@@ -269,17 +404,25 @@ class MetaCore:
             obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now)
             entry.objects[g] = obj
             srv.objects += 1
-            self.live_objects += 1
-            self.live_bytes += size
-            self.group_bytes[layout.group_names[g]] += size
-            self.policy.admit(obj, put.ns)
-            committed += 1
-            touched.add(srv)
+            added[g] += size
+            objs.append(obj)
+            if srv is not last_srv:
+                touched.add(srv)
+                last_srv = srv
+        for g, size in enumerate(added):
+            if size:
+                self.live_bytes += size
+                self.group_bytes[layout.group_names[g]] += size
+        # Admit once everything is linked, so the policy sees the final tree.
+        admit = self.policy.admit
+        for obj in objs:
+            admit(obj, ns)
+        self.live_objects += len(objs)
         self.counters["puts_committed"] += 1
-        self.counters["objects_committed"] += committed
+        self.counters["objects_committed"] += len(objs)
         for srv in touched:
             self._check_watermark(srv)
-        return committed
+        return len(objs)
 
     def put_abort(self, put_id: int) -> bool:
         put = self.puts.pop(put_id, None)
@@ -299,6 +442,14 @@ class MetaCore:
         start = block
         while start > 0 and key_list[start - 1] not in entries:
             start -= 1
+        if start == block and start > 0:  # the common case: the parent exists
+            up = entries[key_list[block - 1]]
+            entry = entries[key_list[block]] = BlockEntry(
+                key_list[block], up, block, len(up.objects)
+            )
+            up.children += 1
+            self.entries += 1
+            return entry
         parent = entries.get(key_list[start - 1]) if start > 0 else None
         groups = ns.layout.num_groups
         for i in range(start, block + 1):
@@ -317,39 +468,18 @@ class MetaCore:
         ns = self._namespace(req.namespace)
         self._check_keys(req.keys)
         layout = ns.layout
-        entries = ns.entries
-        fg = ns.full_group
-        chain: list[BlockEntry] = []
-        for key in req.keys:
-            e = entries.get(key)
-            if e is None or (fg is not None and e.objects[fg] is None):
-                break
-            chain.append(e)
-        p = layout.valid_match(len(chain), lambda j, g: chain[j].objects[g] is not None)
-        self.counters["lookups"] += 1
-        self.counters["lookup_blocks"] += len(req.keys)
-        self.counters["hit_blocks"] += p
-        self.counters["hit_tokens"] += p * layout.block_size
+        p, chain = self.match(ns, req.keys, len(req.keys))
         if p == 0 or not req.lease:
             return wire.LookupResult(blocks=p, tokens=p * layout.block_size)
-        picked: list[ObjectRecord] = []
-        for g, tail in enumerate(layout.group_tail_blocks):
-            lo = 0 if tail is None else max(0, p - tail)
-            for j in range(lo, p):
-                obj = chain[j].objects[g]
-                assert obj is not None
-                picked.append(obj)
+        picked = self.pick(ns, chain, p, now)
         lease_id = next(self._lease_ids)
         expiry = now + self.cfg.lease_ttl_s
         expiry_ms = _wall_ms(wall, now, expiry - GRANT_MARGIN_S)
         index: dict[str, int] = {}
         servers: list[wire.ServerAddr] = []
         locs: list[wire.ObjectLoc] = []
-        policy = self.policy
         for obj in picked:
             obj.pins += 1
-            obj.last_access = now
-            policy.touch(obj, ns)
             srv = obj.server
             si = index.get(srv.server_id)
             if si is None:
@@ -360,10 +490,50 @@ class MetaCore:
             )
             grant = wire.Grant(obj.offset, obj.length, expiry_ms, tag)
             locs.append(wire.ObjectLoc(obj.entry.pos, obj.group, si, grant, obj.sums))
-        self.leases[lease_id] = Lease(lease_id, picked, expiry)
+        self.leases[lease_id] = Lease(lease_id, ns, picked, expiry)
         heapq.heappush(self._lease_heap, (expiry, lease_id))
         self.counters["leases_granted"] += 1
         return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
+
+    def match(
+        self, ns: NamespaceRecord, key_list: list[bytes], limit: int
+    ) -> tuple[int, list[BlockEntry]]:
+        """Longest valid match (blocks) among the first ``limit`` keys, and the chain
+        of cached entries it was found in."""
+        entries = ns.entries
+        fg = ns.full_group
+        chain: list[BlockEntry] = []
+        for i in range(limit):
+            e = entries.get(key_list[i])
+            if e is None or (fg is not None and e.objects[fg] is None):
+                break
+            chain.append(e)
+        layout = ns.layout
+        p = layout.valid_match(len(chain), lambda j, g: chain[j].objects[g] is not None)
+        c = self.counters
+        c["lookups"] += 1
+        c["lookup_blocks"] += limit
+        c["hit_blocks"] += p
+        c["hit_tokens"] += p * layout.block_size
+        return p, chain
+
+    def pick(
+        self, ns: NamespaceRecord, chain: list[BlockEntry], p: int, now: float
+    ) -> list[ObjectRecord]:
+        """The objects a match of ``p`` blocks reads, touched (a reuse) for the policy."""
+        picked: list[ObjectRecord] = []
+        for g, tail in enumerate(ns.layout.group_tail_blocks):
+            lo = 0 if tail is None else max(0, p - tail)
+            for j in range(lo, p):
+                obj = chain[j].objects[g]
+                assert obj is not None
+                picked.append(obj)
+        touch = self.policy.touch
+        for obj in picked:
+            age = now - obj.last_access
+            obj.last_access = now
+            touch(obj, ns, age)
+        return picked
 
     def release(self, lease_id: int) -> bool:
         lease = self.leases.pop(lease_id, None)
@@ -371,9 +541,12 @@ class MetaCore:
             return False
         for obj in lease.objects:
             obj.pins -= 1
-            if obj.pins == 0 and obj.state == EVICTED:
-                obj.server.deferred_bytes -= obj.length
-                self._free_object(obj)
+            if obj.pins == 0:
+                if obj.state == EVICTED:
+                    obj.server.deferred_bytes -= obj.length
+                    self._free_object(obj)
+                elif obj.state == LIVE:
+                    self.policy.unpinned(obj, lease.ns)
         return True
 
     # ---- eviction ------------------------------------------------------------------------
@@ -416,34 +589,51 @@ class MetaCore:
         """Evict from ``srv`` until its reclaimable usage is at most ``target_used``
         or a ``need_contiguous``-byte allocation would fit. Returns objects evicted."""
         evicted = 0
+        allocator = srv.allocator
+        evict_object = self._evict_object
         for obj, ns in self.policy.candidates(srv):
             entry = obj.entry
             if obj.group == ns.full_group:
                 # Without its full object a block serves no match: take all of it.
-                for g in range(len(entry.objects)):
-                    if entry.objects[g] is not None:
-                        self._evict_object(ns, entry, g)
+                for g, o in enumerate(entry.objects):
+                    if o is not None:
+                        evict_object(ns, entry, g)
                         evicted += 1
             else:
-                self._evict_object(ns, entry, obj.group)
+                evict_object(ns, entry, obj.group)
                 evicted += 1
-            if entry.key in ns.entries:
+            if entry.children == 0 and not any(entry.objects):
                 self._prune(ns, entry)
-            if need_contiguous and srv.allocator.largest_free() >= need_contiguous:
+            if need_contiguous and allocator.largest_free() >= need_contiguous:
                 break
-            if target_used >= 0 and srv.reclaimable_used <= target_used:
+            if target_used >= 0 and allocator.used - srv.deferred_bytes <= target_used:
                 break
         return evicted
 
     def _evict_object(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> None:
-        obj = self._unlink(ns, entry, g)
-        self.counters["evictions"] += 1
-        self.counters["evicted_bytes"] += obj.length
+        # _unlink and _free_range inlined: this runs once per evicted object.
+        obj = entry.objects[g]
+        assert obj is not None
+        entry.objects[g] = None
+        srv = obj.server
+        size = obj.length
+        srv.objects -= 1
+        self.live_objects -= 1
+        self.live_bytes -= size
+        self.group_bytes[ns.layout.group_names[g]] -= size
+        obj.state = EVICTED
+        counters = self.counters
+        counters["evictions"] += 1
+        counters["evicted_bytes"] += size
+        self.policy.evicted(obj, ns)
         if obj.pins > 0:
-            obj.state = EVICTED
-            obj.server.deferred_bytes += obj.length
+            srv.deferred_bytes += size
         else:
-            self._free_object(obj)
+            obj.state = GONE
+            if srv.alive:
+                srv.allocator.free(obj.offset)
+                if len(srv.freed) < MAX_FREED_REPORT:
+                    srv.freed.append((obj.offset, size))
 
     def _unlink(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> ObjectRecord:
         obj = entry.objects[g]
@@ -458,8 +648,11 @@ class MetaCore:
 
     def _prune(self, ns: NamespaceRecord, entry: BlockEntry | None) -> None:
         """Drop empty childless entries, walking up; tell the policy about new leaves."""
-        while entry is not None and entry.children == 0 and entry.empty():
-            del ns.entries[entry.key]
+        entries = ns.entries
+        while entry is not None and entry.children == 0 and not any(entry.objects):
+            if entries.get(entry.key) is not entry:
+                return  # already pruned
+            del entries[entry.key]
             self.entries -= 1
             parent = entry.parent
             if parent is None:

@@ -1,24 +1,34 @@
-"""Eviction policies behind one small interface.
+"""Eviction policies behind one small interface, and the compute model they use.
 
 What may be evicted: any windowed (``swa``) object on its own (an interior one
 becomes a tombstone that still serves longer matches), and a ``full`` object only
-on a *leaf* block (no cached descendants), since every longer match needs it. The
-meta asks a policy for candidates on one server in the order it prefers; the policy
-keeps its own bookkeeping current through the hooks below.
+on a *leaf* block (no cached descendants), since every longer match needs it. An
+object under a live read lease is never a candidate: it is being read, and
+dropping it would free nothing until the lease ends. The meta asks a policy for
+candidates on one server in the order it prefers; the policy keeps its own
+bookkeeping current through the hooks below.
+
+Policies: ``lru`` (the baseline) and ``cost`` (value = expected reuse x recompute
+FLOPs / bytes; see ``docs/eviction.md`` for the rule and its measured effect).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
+from gcache.layout import PRESETS, Layout, preset
 from gcache.meta.records import LIVE, BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
+
+HeapItem = tuple[float, int, ObjectRecord, NamespaceRecord]
 
 
 def evictable(obj: ObjectRecord, ns: NamespaceRecord) -> bool:
-    if obj.state != LIVE:
+    if obj.state != LIVE or obj.pins:
         return False
     if obj.group != ns.full_group:
         return True
@@ -29,18 +39,27 @@ class EvictionPolicy(Protocol):
     name: str
 
     def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        """A newly committed object."""
+        """A newly committed object (called once every object of the put is linked)."""
 
-    def touch(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        """An object returned by a lookup (``obj.last_access`` already updated)."""
+    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
+        """An object returned by a lookup; ``obj.last_access`` is already updated and
+        ``age`` is the time since the previous access."""
 
     def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         """``entry`` lost its last cached child: its full object is now evictable."""
+
+    def evicted(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        """``obj`` just left the index (its entry's links are still intact)."""
+
+    def unpinned(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        """The last lease on a live ``obj`` ended: it may be a candidate again."""
 
     def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
         """Evictable objects on ``server``, best victim first. The caller evicts as
         it iterates, so implementations re-check each candidate lazily."""
         ...
+
+    def forget_server(self, server: ServerRecord) -> None: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -56,25 +75,27 @@ class LRUPolicy:
     name = "lru"
 
     def __init__(self) -> None:
-        self._heaps: dict[int, list[tuple[float, int, ObjectRecord, NamespaceRecord]]] = {}
+        self._heaps: dict[int, list[HeapItem]] = {}
         self._seq = itertools.count()
         self.pushes = 0
 
-    def _heap(self, server: ServerRecord) -> list[tuple[float, int, ObjectRecord, NamespaceRecord]]:
+    def _heap(self, server: ServerRecord) -> list[HeapItem]:
         heap = self._heaps.get(id(server))
         if heap is None:
             heap = self._heaps[id(server)] = []
         return heap
 
     def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        heap = self._heap(obj.server)
+        heap = self._heaps.get(id(obj.server))
+        if heap is None:
+            heap = self._heaps[id(obj.server)] = []
         heapq.heappush(heap, (obj.last_access, next(self._seq), obj, ns))
         self.pushes += 1
         if len(heap) > 4096 and len(heap) > 4 * max(obj.server.objects, 1):
             self._compact(heap)
 
-    def _compact(self, heap: list[tuple[float, int, ObjectRecord, NamespaceRecord]]) -> None:
-        best: dict[int, tuple[float, int, ObjectRecord, NamespaceRecord]] = {}
+    def _compact(self, heap: list[HeapItem]) -> None:
+        best: dict[int, HeapItem] = {}
         for item in heap:
             obj = item[2]
             if obj.state == LIVE and item[0] == obj.last_access:
@@ -83,25 +104,40 @@ class LRUPolicy:
         heapq.heapify(heap)
 
     def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        # A fresh object is live and unleased: only an interior full one waits.
+        if obj.group != ns.full_group or obj.entry.children == 0:
+            self._push(obj, ns)
+
+    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
         if evictable(obj, ns):
             self._push(obj, ns)
 
-    def touch(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+    def evicted(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        pass
+
+    def unpinned(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         if evictable(obj, ns):
             self._push(obj, ns)
 
     def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         if ns.full_group is not None:
             obj = entry.objects[ns.full_group]
-            if obj is not None and obj.state == LIVE:
+            if obj is not None and obj.state == LIVE and not obj.pins:
                 self._push(obj, ns)
 
     def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
         heap = self._heap(server)
+        pop = heapq.heappop
         while heap:
-            stamp, _, obj, ns = heapq.heappop(heap)
-            if stamp != obj.last_access or obj.server is not server or not evictable(obj, ns):
-                continue  # stale: touched since, evicted, or has children now
+            stamp, _, obj, ns = pop(heap)
+            if (
+                stamp != obj.last_access
+                or obj.state != LIVE
+                or obj.pins
+                or (obj.group == ns.full_group and obj.entry.children)
+                or obj.server is not server
+            ):
+                continue  # stale: touched since, evicted, leased, or has children now
             yield obj, ns
 
     def forget_server(self, server: ServerRecord) -> None:
@@ -111,7 +147,376 @@ class LRUPolicy:
         return {"heap_items": sum(len(h) for h in self._heaps.values()), "pushes": self.pushes}
 
 
-def make_policy(name: str) -> LRUPolicy:
+# ---- the compute model: what recomputing a prefix costs ------------------------------
+
+
+@dataclass(frozen=True)
+class ModelCompute:
+    """Prefill FLOPs of a model, per token, as a function of the token's position.
+
+    A token at position ``p`` (0-based) costs ``linear`` (2 x the active
+    non-embedding parameters: projections and MLP/experts) plus, for attention,
+    ``full`` x (p + 1) summed over the full-attention layers and ``w_flops`` x
+    min(p + 1, w) for each sliding window ``w``. ``docs/eviction.md`` derives the
+    figures of the presets.
+    """
+
+    linear: float
+    full: float  # per attended key, summed over the full-attention layers
+    windows: tuple[tuple[int, float], ...] = ()  # (window, per key, summed over its layers)
+
+    def prefix(self, t: int) -> float:
+        """FLOPs of prefilling tokens ``[0, t)``."""
+        if t <= 0:
+            return 0.0
+        total = self.linear * t + self.full * (t * (t + 1) // 2)
+        for w, per_key in self.windows:
+            keys = t * (t + 1) // 2 if t <= w else w * (w + 1) // 2 + (t - w) * w
+            total += per_key * keys
+        return total
+
+    def span(self, a: int, b: int) -> float:
+        """FLOPs of tokens ``[a, b)`` given the KV of ``[0, a)``."""
+        return self.prefix(b) - self.prefix(a)
+
+
+def _transformer_compute(
+    *,
+    hidden: int,
+    q_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    layers: list[tuple[int, int, int]],  # (kv_heads, window or 0, active MLP params)
+) -> ModelCompute:
+    """Compute figures of a decoder from its config: per layer, the projections
+    (q, k, v, o) and the MLP parameters a token activates; attention costs
+    2 x q_heads x (qk_dim + v_dim) FLOPs per attended key (scores, then values)."""
+    linear = 0
+    full = 0.0
+    per_window: dict[int, float] = {}
+    per_key = 2.0 * q_heads * (qk_dim + v_dim)
+    for kv_heads, window, mlp in layers:
+        proj = hidden * (q_heads * qk_dim + kv_heads * (qk_dim + v_dim)) + q_heads * v_dim * hidden
+        linear += proj + mlp
+        if window:
+            per_window[window] = per_window.get(window, 0.0) + per_key
+        else:
+            full += per_key
+    return ModelCompute(2.0 * linear, full, tuple(sorted(per_window.items())))
+
+
+def _mimo_v2_flash() -> ModelCompute:
+    # XiaomiMiMo/MiMo-V2-Flash config.json: hidden 4096, 48 layers (full attention at
+    # 0,5,11,...,47, the rest sliding with window 128), 64 query heads, head_dim 192,
+    # v_head_dim 128, 4 KV heads (full) / 8 (sliding); layer 0 dense MLP
+    # (intermediate 16384), layers 1-47 MoE: 8 of 256 routed experts of
+    # intermediate 2048 per token, plus a 4096 x 256 router. 14.2B active
+    # non-embedding parameters (+1.25B embeddings and head: the card's "15B active").
+    full_at = {0, 5, 11, 17, 23, 29, 35, 41, 47}
+    hidden = 4096
+    layers = []
+    for i in range(48):
+        mlp = 3 * hidden * 16384 if i == 0 else 8 * 3 * hidden * 2048 + hidden * 256
+        layers.append((4, 0, mlp) if i in full_at else (8, 128, mlp))
+    return _transformer_compute(hidden=hidden, q_heads=64, qk_dim=192, v_dim=128, layers=layers)
+
+
+def _llama_3_8b() -> ModelCompute:
+    # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32 query heads,
+    # 8 KV heads, head_dim 128, intermediate 14336 (SwiGLU: 3 matrices).
+    hidden = 4096
+    layers = [(8, 0, 3 * hidden * 14336)] * 32
+    return _transformer_compute(hidden=hidden, q_heads=32, qk_dim=128, v_dim=128, layers=layers)
+
+
+PRESET_COMPUTE: dict[str, Callable[[], ModelCompute]] = {
+    "mimo-v2-flash": _mimo_v2_flash,
+    "llama-3-8b": _llama_3_8b,
+}
+# An unknown model: recompute cost proportional to tokens (the linear part, which
+# dominates below tens of thousands of tokens for every preset), no position term.
+UNIT_COMPUTE = ModelCompute(1.0, 0.0)
+
+
+def compute_for_layout(layout: Layout) -> ModelCompute:
+    """The compute model of the preset whose layers ``layout`` has (any block size),
+    else :data:`UNIT_COMPUTE`."""
+    for name in PRESETS:
+        if preset(name, layout.block_size).layers == layout.spec.layers:
+            return PRESET_COMPUTE[name]()
+    return UNIT_COMPUTE
+
+
+# ---- the cost policy -------------------------------------------------------------------
+
+# Log value of an object that serves no match as things stand: a window piece whose
+# partner is gone, or a leaf block without a window at its end (no match can end
+# there, so its full object saves nothing until a later put re-anchors it).
+ZERO = -1.0e4
+# A window's value is the recompute between it and the previous window on its path;
+# the walk back to that window stops after this many blocks.
+MAX_WALK = 1024
+# Time constant of the reuse decay until the first estimate, and its floor.
+TAU_START_S = 60.0
+TAU_MIN_S = 0.1
+TAU_SAMPLES = 4096  # evictions per estimate of tau
+TAU_DRIFT = 1.25  # re-key the heaps when the estimate moves by more than this factor
+
+
+class _NsCost:
+    __slots__ = ("bs", "compute", "fg", "full_bytes", "ref", "window_bytes", "windowed")
+
+    def __init__(self, ns: NamespaceRecord, compute: ModelCompute) -> None:
+        layout = ns.layout
+        self.bs = layout.block_size
+        self.compute = compute
+        self.fg = ns.full_group
+        self.windowed = ns.windowed
+        self.full_bytes = layout.group_object_bytes[self.fg] if self.fg is not None else 0
+        self.window_bytes = sum(t * layout.group_object_bytes[g] for g, t in ns.windowed)
+        # Scores are relative to a full object at position 0, so they stay near 0.
+        first = compute.span(0, self.bs)
+        self.ref = math.log(first / (self.full_bytes or self.window_bytes))
+
+
+class CostPolicy:
+    """Evict the object of least value = P(reuse) x recompute FLOPs / bytes.
+
+    * Recompute FLOPs (:class:`ModelCompute`): a leaf's full object saves its block,
+      whose attention grows with position; a window saves the tokens between the
+      previous window on its path and itself (a match that cannot end there falls
+      back to that one), so an end window just after a checkpoint is worth little
+      and a checkpoint far from the last one a lot.
+    * P(reuse) decays exponentially with the time since the last access
+      (AsymCache's decaying reuse probability; Marconi's recency + FLOP
+      efficiency), with time constant ``tau`` = the store's characteristic time,
+      measured online: the mean time since the last access of the objects it
+      evicts (those worth something). It is the time scale on which this store
+      can keep anything at all, so a factor e in value buys one such period.
+
+    So log value = score - (now - last_access) / tau with score = log(FLOPs/bytes),
+    and ranking by value is ranking by key = last_access + tau x score, which is
+    static between accesses: one lazy-deletion heap per server, as for LRU. When the
+    ``tau`` estimate drifts by more than 25% every heap is re-keyed (rare, O(n)).
+    Objects that serve no match (:data:`ZERO`) go first.
+    """
+
+    name = "cost"
+
+    def __init__(
+        self,
+        compute: Callable[[Layout], ModelCompute] = compute_for_layout,
+        tau_s: float | None = None,
+    ) -> None:
+        """``tau_s`` fixes ``tau`` (tests, experiments) instead of measuring it."""
+        self._now = 0.0  # the latest access seen: the clock, for eviction ages
+        self._heaps: dict[int, list[HeapItem]] = {}
+        self._seq = itertools.count()
+        self._compute = compute
+        self._ns: dict[int, _NsCost] = {}
+        self.fixed_tau = tau_s is not None
+        self.tau = tau_s if tau_s is not None else TAU_START_S
+        self._age_sum = 0.0
+        self._age_n = 0
+        self.pushes = 0
+        self.rekeys = 0
+
+    # -- scoring -------------------------------------------------------------------
+
+    def _cost(self, ns: NamespaceRecord) -> _NsCost:
+        nc = self._ns.get(ns.ns_id)
+        if nc is None:
+            nc = self._ns[ns.ns_id] = _NsCost(ns, self._compute(ns.layout))
+        return nc
+
+    @staticmethod
+    def _window_ends_at(e: BlockEntry, nc: _NsCost) -> bool:
+        """A match may end right after block ``e``: every windowed group is present
+        on the ``tail`` blocks up to ``e`` (fewer near the start)."""
+        for g, t in nc.windowed:
+            x: BlockEntry | None = e
+            for _ in range(t):
+                if x is None:
+                    break
+                if x.objects[g] is None:
+                    return False
+                x = x.parent
+        return True
+
+    def _prev_window(self, x: BlockEntry | None, end: int, nc: _NsCost) -> int:
+        """Position of the nearest window end at or above block ``x`` (0 at the root):
+        where a match falls back to without the window at ``end``."""
+        g0 = nc.windowed[0][0]
+        for _ in range(MAX_WALK):
+            if x is None:
+                return 0
+            if x.objects[g0] is not None and self._window_ends_at(x, nc):
+                return x.pos + 1
+            x = x.parent
+        return max(0, end - MAX_WALK)
+
+    def _density(self, prev: int, end: int, nbytes: int, nc: _NsCost) -> float:
+        value = nc.compute.span(prev * nc.bs, end * nc.bs) / nbytes
+        return math.log(max(value, 1e-300)) - nc.ref
+
+    def _segment(self, e: BlockEntry, nc: _NsCost) -> float:
+        """Score of the leaf segment ending at leaf ``e`` (anchored): evicting the
+        leaf breaks its window, and every block back to the previous window
+        follows it (nothing can end a match there), so the segment goes as a
+        unit: its recompute over its bytes (full objects and the window)."""
+        end = e.pos + 1
+        prev = self._prev_window(e.parent, end, nc)
+        nbytes = (end - prev) * nc.full_bytes + nc.window_bytes
+        return self._density(prev, end, nbytes, nc)
+
+    def _score_full(self, e: BlockEntry, nc: _NsCost) -> float:
+        if e.children == 0 and nc.windowed:
+            if e.objects[nc.windowed[0][0]] is None or not self._window_ends_at(e, nc):
+                return ZERO
+            return self._segment(e, nc)
+        a = e.pos * nc.bs
+        return math.log(nc.compute.span(a, a + nc.bs) / nc.full_bytes) - nc.ref
+
+    def _score_window(self, obj: ObjectRecord, nc: _NsCost) -> float:
+        e = obj.entry
+        if self._window_ends_at(e, nc):  # the window's last block
+            if e.children == 0 and nc.fg is not None:
+                return self._segment(e, nc)
+            end = e.pos + 1
+            bonus = 0.0
+        else:  # an earlier block of a window ending below (the entry has no child links)
+            end = e.pos + next(t for g, t in nc.windowed if g == obj.group)
+            # It goes after the window's last block, so a window is dropped whole.
+            bonus = 1e-3
+        # An interior window alone: without it a match falls back to the previous one.
+        prev = self._prev_window(e.parent, end, nc)
+        return self._density(prev, end, nc.window_bytes, nc) + bonus
+
+    # -- heap ------------------------------------------------------------------------
+
+    def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        heap = self._heaps.get(id(obj.server))
+        if heap is None:
+            heap = self._heaps[id(obj.server)] = []
+        heapq.heappush(heap, (obj.last_access + self.tau * obj.score, next(self._seq), obj, ns))
+        self.pushes += 1
+        if len(heap) > 4096 and len(heap) > 4 * max(obj.server.objects, 1):
+            self._rekey(heap)
+
+    def _rekey(self, heap: list[HeapItem]) -> None:
+        """Drop stale items and key the rest with the current ``tau``."""
+        best: dict[int, HeapItem] = {}
+        for item in heap:
+            obj = item[2]
+            if obj.state == LIVE and id(obj) not in best:
+                best[id(obj)] = (obj.last_access + self.tau * obj.score, item[1], obj, item[3])
+        heap[:] = list(best.values())
+        heapq.heapify(heap)
+
+    def _rescore_full(self, e: BlockEntry, ns: NamespaceRecord, nc: _NsCost) -> None:
+        if nc.fg is None or e.children:
+            return
+        full = e.objects[nc.fg]
+        if full is None or full.state != LIVE or full.pins:
+            return
+        if nc.windowed and e.objects[nc.windowed[0][0]] is None:
+            full.score = ZERO  # the common case while a dead branch collapses
+        else:
+            full.score = self._score_full(e, nc)
+        self._push(full, ns)
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        nc = self._cost(ns)
+        if obj.last_access > self._now:
+            self._now = obj.last_access
+        if obj.group == nc.fg:
+            if evictable(obj, ns):
+                obj.score = self._score_full(obj.entry, nc)
+                self._push(obj, ns)
+            return
+        obj.score = self._score_window(obj, nc)
+        if evictable(obj, ns):
+            self._push(obj, ns)
+        if obj.entry.children == 0:  # a window at a leaf anchors its full object
+            self._rescore_full(obj.entry, ns, nc)
+
+    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
+        if obj.last_access > self._now:
+            self._now = obj.last_access
+        if evictable(obj, ns):
+            self._push(obj, ns)
+
+    def _update_tau(self) -> None:
+        est = max(TAU_MIN_S, self._age_sum / self._age_n)
+        self._age_sum = 0.0
+        self._age_n = 0
+        if not 1 / TAU_DRIFT <= est / self.tau <= TAU_DRIFT:
+            self.tau = est
+            self.rekeys += 1
+            for heap in self._heaps.values():
+                self._rekey(heap)
+
+    def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
+        self._rescore_full(entry, ns, self._ns.get(ns.ns_id) or self._cost(ns))
+
+    def evicted(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        nc = self._ns.get(ns.ns_id) or self._cost(ns)
+        if not self.fixed_tau and obj.score > ZERO / 2:
+            self._age_sum += self._now - obj.last_access
+            self._age_n += 1
+            if self._age_n >= TAU_SAMPLES:
+                self._update_tau()
+        if obj.group == nc.fg:
+            return  # the whole block goes; the parent hears of it via became_leaf
+        e = obj.entry
+        if e.children == 0:
+            self._rescore_full(e, ns, nc)  # its end window is broken
+        parent = e.parent
+        if parent is not None and parent.children <= 1:
+            piece = parent.objects[obj.group]
+            if piece is not None and evictable(piece, ns) and not self._window_ends_at(parent, nc):
+                piece.score = ZERO  # half of a window nobody can use
+                self._push(piece, ns)
+
+    def unpinned(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        if evictable(obj, ns):
+            self._push(obj, ns)
+
+    def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
+        heap = self._heaps.get(id(server))
+        pop = heapq.heappop
+        while heap:
+            key, _, obj, ns = pop(heap)
+            if (
+                key != obj.last_access + self.tau * obj.score
+                or obj.state != LIVE
+                or obj.pins
+                or (obj.group == ns.full_group and obj.entry.children)
+                or obj.server is not server
+            ):
+                continue  # stale: touched or re-scored since, evicted, or interior now
+            yield obj, ns
+
+    def forget_server(self, server: ServerRecord) -> None:
+        self._heaps.pop(id(server), None)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "heap_items": sum(len(h) for h in self._heaps.values()),
+            "pushes": self.pushes,
+            "rekeys": self.rekeys,
+            "tau_ms": int(self.tau * 1000),
+        }
+
+
+POLICIES = ("lru", "cost")
+
+
+def make_policy(name: str) -> EvictionPolicy:
     if name == "lru":
         return LRUPolicy()
-    raise ValueError(f"unknown eviction policy {name!r}")
+    if name == "cost":
+        return CostPolicy()
+    raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

@@ -27,6 +27,7 @@ class ObjectRecord:
         "length",
         "offset",
         "pins",
+        "score",
         "server",
         "state",
         "sums",
@@ -51,6 +52,9 @@ class ObjectRecord:
         self.pins = 0
         self.state = LIVE
         self.last_access = now
+        # The eviction policy's own figure for this object (the cost policy keeps
+        # log(value per byte) here, so a touch re-keys it without recomputing).
+        self.score = 0.0
 
     def __repr__(self) -> str:
         return (
@@ -71,11 +75,20 @@ class BlockEntry:
         self.objects: list[ObjectRecord | None] = [None] * groups
 
     def empty(self) -> bool:
-        return all(o is None for o in self.objects)
+        return not any(self.objects)
 
 
 class NamespaceRecord:
-    __slots__ = ("descriptor", "entries", "fingerprint", "full_group", "layout", "ns_id")
+    __slots__ = (
+        "descriptor",
+        "entries",
+        "fingerprint",
+        "full_group",
+        "layout",
+        "max_tail",
+        "ns_id",
+        "windowed",
+    )
 
     def __init__(
         self, ns_id: int, fingerprint: bytes, layout: Layout, descriptor: dict[str, object]
@@ -87,6 +100,12 @@ class NamespaceRecord:
         self.entries: dict[bytes, BlockEntry] = {}
         tails = layout.group_tail_blocks
         self.full_group: int | None = tails.index(None) if None in tails else None
+        # (group, tail blocks) of every windowed group, and the longest tail: the
+        # blocks before a match end (or checkpoint) that need windowed objects.
+        self.windowed: list[tuple[int, int]] = [
+            (g, t) for g, t in enumerate(tails) if t is not None
+        ]
+        self.max_tail = max((t for _, t in self.windowed), default=0)
 
 
 class ServerRecord:
@@ -132,6 +151,20 @@ class ServerRecord:
         return self.allocator.used - self.deferred_bytes
 
 
+Placed = tuple[int, int, "ServerRecord", int, int]  # (block, group, server, offset, length)
+
+
+class Plan:
+    """What ``MetaCore.place`` decided for one put."""
+
+    __slots__ = ("checkpoints", "no_space", "placements")
+
+    def __init__(self, placements: list[Placed], no_space: int, checkpoints: list[int]) -> None:
+        self.placements = placements
+        self.no_space = no_space
+        self.checkpoints = checkpoints  # block positions of the windows added
+
+
 class PendingPut:
     __slots__ = ("deadline", "keys", "ns", "placements", "put_id")
 
@@ -140,20 +173,23 @@ class PendingPut:
         put_id: int,
         ns: NamespaceRecord,
         keys: list[bytes],
-        placements: list[tuple[int, int, ServerRecord, int, int]],
+        placements: list[Placed],
         deadline: float,
     ) -> None:
         self.put_id = put_id
         self.ns = ns
         self.keys = keys
-        self.placements = placements  # (block, group, server, offset, length)
+        self.placements = placements
         self.deadline = deadline
 
 
 class Lease:
-    __slots__ = ("expiry", "lease_id", "objects")
+    __slots__ = ("expiry", "lease_id", "ns", "objects")
 
-    def __init__(self, lease_id: int, objects: list[ObjectRecord], expiry: float) -> None:
+    def __init__(
+        self, lease_id: int, ns: NamespaceRecord, objects: list[ObjectRecord], expiry: float
+    ) -> None:
         self.lease_id = lease_id
+        self.ns = ns
         self.objects = objects
         self.expiry = expiry
