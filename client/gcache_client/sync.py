@@ -24,9 +24,17 @@ from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 T = TypeVar("T")
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class GCacheClient:
     def __init__(self, config: ClientConfig | None = None, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="gcache-client", daemon=True
         )

@@ -9,7 +9,6 @@ gcache-bench lookup --local --index-blocks 1000000
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import json
 import multiprocessing as mp
@@ -140,9 +139,15 @@ async def _data_op(args: dict[str, Any], client_id: int) -> Samples:
         return await ops.run_read(client, ns, count, budget, args["qd"], progress)
 
 
+def _run(coro: Any) -> Any:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
 def _child(args: dict[str, Any], client_id: int, out: Any) -> None:
     try:
-        out.put((client_id, asyncio.run(_data_op(args, client_id)).to_json(), ""))
+        out.put((client_id, _run(_data_op(args, client_id)).to_json(), ""))
     except Exception as exc:  # reported by the parent
         out.put((client_id, None, f"{type(exc).__name__}: {exc}"))
 
@@ -157,7 +162,7 @@ def run_data(args: argparse.Namespace, size: int, cfg: ClientConfig) -> dict[str
         "seconds": args.duration or 0.0,
     }
     if args.clients == 1:
-        samples = asyncio.run(_data_op(job, 0))
+        samples = _run(_data_op(job, 0))
     else:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -248,7 +253,7 @@ def run_lookups(
                 rows.append(r)
             return ns, key_lists
 
-    _ns, key_lists = asyncio.run(remote())
+    _ns, key_lists = _run(remote())
     # The same index in this process, no sockets: where the meta's time goes.
     from gcache.config import MetaConfig
 

@@ -20,6 +20,7 @@ from gcache.errors import ClosedError, ConnectionLost, ProtocolError
 # Linux IOV_MAX is 1024; keep sendmsg batches well under it.
 _IOV_BATCH = 512
 _DRAIN_CHUNK = 1 << 20
+SOCKET_BUFFER = 4 << 20
 
 Buffer = memoryview | bytes | bytearray
 
@@ -34,6 +35,13 @@ class FrameStream:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Large buffers: a MiB-sized payload moves in a few big copies instead of
+            # dozens of wakeups (the kernel caps these at net.core.*mem_max).
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+                except OSError:
+                    pass
         self.sock = sock
         self._loop = loop or asyncio.get_running_loop()
         self._head = bytearray(wire.HEADER_SIZE)

@@ -1,0 +1,185 @@
+"""``python -m bench.compare``: GCache against the stores a user would pick instead.
+
+In one run on one machine, at the same value sizes and concurrency:
+
+* the limits: loopback TCP with ``iperf3``, memcpy with numpy;
+* Redis: a ``redis-server`` started here on loopback, driven with redis-py
+  (one process per concurrent client) and with ``redis-benchmark``;
+* Mooncake Store over TCP (master, storage process, client process) and its
+  same-process memcpy path, skipped with a printed reason when it cannot run;
+* GCache over TCP and over shared memory: a local meta + server started here,
+  measured with ``gcache-bench`` (the real console tool, one process, ``--qd``
+  operations in flight).
+
+Prints every figure and the ratios GCache / peer, writes JSON and a PNG chart.
+The peers are installed on first use (apt / pip); nothing here is a test dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import import_module
+from typing import Any
+
+from bench.compare.peers import PEERS
+from bench.compare.report import chart, print_ratios, print_table, ratios
+
+DEFAULT_SIZES = "64KiB,1MiB,4MiB"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="value sizes (comma-separated)")
+    p.add_argument("--iters", type=int, default=400, help="operations per size and op")
+    p.add_argument("--concurrency", type=int, default=4, help="operations in flight")
+    p.add_argument("--seconds-cap", type=float, default=20.0, help="time cap per peer")
+    p.add_argument(
+        "--skip", default="", help="peers to leave out: limits,redis_peer,mooncake_peer,gcache"
+    )
+    p.add_argument("--json", default="bench/results/compare.json")
+    p.add_argument("--plot", default="bench/results/compare.png")
+    return p.parse_args(argv)
+
+
+def _sizes(text: str) -> list[int]:
+    from gcache.config import parse_size
+
+    try:
+        sizes = [parse_size(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"bench.compare: bad --sizes: {exc}") from None
+    if not sizes or any(s <= 0 for s in sizes):
+        raise SystemExit("bench.compare: --sizes needs at least one positive size")
+    return sizes
+
+
+def run_gcache(sizes: list[int], iters: int, qd: int) -> tuple[list[dict[str, Any]], str]:
+    """gcache-bench write/read over tcp and shm against one local deployment."""
+    from gcache.cli.deploy import LocalDeployment
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="gcache-compare-") as tmp:
+        capacity = max(4 << 30, 2 * max(sizes) * max(iters, 64))
+        dep = LocalDeployment(
+            tmp,
+            servers=1,
+            capacity=str(capacity),
+            metrics_port=-1,
+            meta_args=["--high-watermark", "0.95", "--low-watermark", "0.9"],
+        )
+        dep.start()
+        try:
+            for transport in ("tcp", "shm"):
+                for op in ("write", "read"):
+                    for size in sizes:
+                        out = os.path.join(tmp, f"{transport}-{op}-{size}.json")
+                        cmd = [
+                            sys.executable, "-m", "gcache.benchtool.main", op,
+                            "-s", str(size), "-n", str(iters), "--qd", str(qd),
+                            "--transport", transport, "--meta", dep.meta_addr,
+                            "--meta-grpc", dep.meta_grpc, "--json", out,
+                        ]  # fmt: skip
+                        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                        if r.returncode != 0:
+                            return rows, f"gcache-bench {op} {transport} {size}: " + (
+                                r.stderr.strip().splitlines() or ["?"]
+                            )[-1]
+                        with open(out) as fh:
+                            for g in json.load(fh):
+                                rows.append(_gcache_row(g, qd, " ".join(cmd[3:12])))
+        finally:
+            dep.stop()
+    return rows, ""
+
+
+def _gcache_row(g: dict[str, Any], qd: int, cmd: str) -> dict[str, Any]:
+    return {
+        "system": f"gcache ({g['transport'].upper()})",
+        "op": g["op"],
+        "bytes": g["bytes"],
+        "iterations": g["iterations"],
+        "concurrency": qd,
+        "bw_avg_gbps": round(g["bw_avg_gbps"], 3),
+        "bw_peak_gbps": round(g["bw_peak_gbps"], 3),
+        "lat_p50_us": round(g["lat_p50_us"], 1),
+        "lat_p99_us": round(g["lat_p99_us"], 1),
+        "note": f"gcache-bench {cmd}: one client process, {qd} operations in flight; "
+        "every read verifies the per-layer xxh3 checksum",
+        "wall_s": round(g.get("wall_s", 0.0), 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = _sizes(args.sizes)
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    t_start = time.monotonic()
+    for name in PEERS:
+        if name in skip:
+            skipped[name] = "--skip"
+            continue
+        mod = import_module(f"bench.compare.peers.{name}")
+        print(f"# {name}: checking / installing ...", flush=True)
+        ok, why = mod.available()
+        if not ok:
+            skipped[name] = why
+            print(f"# {name}: skipped: {why}", flush=True)
+            continue
+        t0 = time.monotonic()
+        got = mod.run(sizes, args.iters, args.concurrency, args.seconds_cap)
+        rows += got
+        if mod.LAST_ERROR:
+            skipped[name] = mod.LAST_ERROR
+            print(f"# {name}: {mod.LAST_ERROR}", flush=True)
+        print(f"# {name}: {len(got)} rows in {time.monotonic() - t0:.1f} s", flush=True)
+    if "gcache" not in skip:
+        print("# gcache: local meta + server, gcache-bench over tcp and shm ...", flush=True)
+        t0 = time.monotonic()
+        got, err = run_gcache(sizes, args.iters, args.concurrency)
+        rows += got
+        if err:
+            skipped["gcache"] = err
+            print(f"# gcache: {err}", flush=True)
+        print(f"# gcache: {len(got)} rows in {time.monotonic() - t0:.1f} s", flush=True)
+    print()
+    print_table(rows)
+    rat = ratios(rows, sizes)
+    print()
+    print_ratios(rat)
+    for name, why in skipped.items():
+        print(f"# skipped/partial {name}: {why}")
+    doc = {
+        "command": " ".join(["python -m bench.compare", *(argv or sys.argv[1:])]),
+        "sizes": sizes,
+        "iters": args.iters,
+        "concurrency": args.concurrency,
+        "cpus": os.cpu_count(),
+        "seconds": round(time.monotonic() - t_start, 1),
+        "rows": rows,
+        "ratios": rat,
+        "skipped": skipped,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=2)
+        print(f"# wrote {args.json}")
+    if args.plot:
+        err = chart(rows, args.plot)
+        print(f"# chart: {err}" if err else f"# wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
