@@ -41,6 +41,11 @@ def parse_size(text: str | int) -> int:
     return int(float(digits) * mult)
 
 
+# Capabilities expire this long before the meta reuses their memory, so a clock
+# step between meta and server cannot let a stale grant touch reused bytes.
+GRANT_MARGIN_S = 1.0
+
+
 def _doc(text: str, **kw: Any) -> Any:
     return field(metadata={"help": text}, **kw)
 
@@ -76,6 +81,11 @@ class MetaConfig:
             raise ConfigError("checkpoint_interval must be >= 0")
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if min(self.lease_ttl_s, self.put_timeout_s) <= GRANT_MARGIN_S:
+            raise ConfigError(
+                f"lease_ttl_s and put_timeout_s must exceed {GRANT_MARGIN_S} s: capabilities "
+                "end that long before the lease or put does"
+            )
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,10 @@ class ServerConfig:
     capacity: str = _doc("DRAM segment size (e.g. 1GiB)", default="1GiB")
     shm_dir: str = _doc("directory of the shared-memory segment file", default="/dev/shm")
     heartbeat_interval_s: float = _doc("heartbeat period", default=1.0)
-    populate: bool = _doc("pre-fault every page of the segment at start", default=False)
+    populate: bool = _doc(
+        "pre-fault every page of the segment at start (first writes take no page faults)",
+        default=True,
+    )
     ready_file: str = _doc("write 'host port' here once registered", default="")
 
     @property
@@ -110,6 +123,10 @@ class ClientConfig:
     max_inflight_writes: int = _doc("put: object writes in flight per server", default=8)
     transport: str = _doc(
         "data path: auto (shared memory when the server is local), tcp, shm", default="auto"
+    )
+    shm_populate: bool = _doc(
+        "shm: map a server's whole segment at first use (copies take no page faults)",
+        default=True,
     )
 
     def check(self) -> None:
@@ -194,7 +211,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if f.type == "bool":
             parser.add_argument(
-                flag, dest=f.name, action="store_true", default=None, help=help_text
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
             )
         else:
             parser.add_argument(flag, dest=f.name, default=None, help=help_text)

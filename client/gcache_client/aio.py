@@ -117,7 +117,8 @@ class AsyncGCacheClient:
         if key not in self._shm:
             seg = None
             if mode == "shm" or shm.is_local(addr.hostname, addr.shm_path):
-                seg = MappedSegment(addr.shm_path)  # ConnectionLost if it cannot
+                # ConnectionLost if it cannot be mapped
+                seg = MappedSegment(addr.shm_path, self.config.shm_populate)
             self._shm[key] = seg
         return self._shm[key]
 
@@ -320,7 +321,8 @@ class AsyncGCacheClient:
                     addr = placed.servers[p.server]
                     seg = self._mapped(addr)
                     if seg is not None:
-                        seg.write(p.grant.offset, payload)
+                        g = p.grant
+                        seg.write_granted(g.offset, g.length, g.expiry_ms, payload)
                         return pi, sums
                     conn = await self._server(addr)
                     await conn.call(wire.Write(p.grant), payload, timeout=self.config.timeout_s)
@@ -466,10 +468,12 @@ class AsyncGCacheClient:
             dest += (kd, vd)
             checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
         remote = {}
-        for si, (_grants, ranges, dest) in per_server.items():
+        for si, (grants, ranges, dest) in per_server.items():
             seg = self._mapped(match.servers[si])
             if seg is not None:
-                seg.read_into([(off, n) for _, off, n in ranges], dest)
+                expiry = min(g.expiry_ms for g in grants)
+                seg.read_leased([(off, n) for _, off, n in ranges], dest, expiry)
+                self.counters["bytes_read_shm"] += sum(n for _, _, n in ranges)
             else:
                 remote[si] = await self._server(match.servers[si])
         if remote:

@@ -101,6 +101,8 @@ async def run_write(
             raise RuntimeError(f"write failed: {res}")
         return size
 
+    # Untimed warm-up: connections opened, a local segment mapped (perftest does the same).
+    await client.put(ns, np.array([base + (1 << 23)], dtype=np.int64), kv)
     return await _pump(qd, budget, op, progress)
 
 

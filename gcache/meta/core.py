@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Any
 
 from gcache import capability, keys, wire
-from gcache.config import MetaConfig
+from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import (
     E_BAD_REQUEST,
     E_UNKNOWN_NAMESPACE,
@@ -67,9 +67,6 @@ COUNTERS = (
 )
 MAX_NAMESPACES = 4096
 MAX_FREED_REPORT = 1 << 16
-# Capabilities expire this long before the meta reuses their memory, so a clock
-# step between meta and server cannot let a stale grant touch reused bytes.
-GRANT_MARGIN_S = 1.0
 
 
 def _wall_ms(now: float, mono_now: float, at: float) -> int:

@@ -224,6 +224,8 @@ def test_unknown_override_key() -> None:
         {"low_watermark": 0.5, "high_watermark": 1.01},
         {"eviction_policy": "fifo"},
         {"lease_ttl_s": 0.0},
+        {"lease_ttl_s": 1.0},  # grants end 1 s before the lease: nothing left
+        {"put_timeout_s": 0.5},
         {"put_timeout_s": -1.0},
         {"heartbeat_timeout_s": 0.0},
     ],
@@ -302,7 +304,8 @@ def test_from_args_flags_converted() -> None:
 
 def test_from_args_bool_flag() -> None:
     assert from_args(ServerConfig, _parser(ServerConfig).parse_args(["--populate"])).populate
-    assert not from_args(ServerConfig, _parser(ServerConfig).parse_args([])).populate
+    assert not from_args(ServerConfig, _parser(ServerConfig).parse_args(["--no-populate"])).populate
+    assert from_args(ServerConfig, _parser(ServerConfig).parse_args([])).populate  # the default
 
 
 def test_from_args_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

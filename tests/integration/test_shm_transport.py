@@ -1,0 +1,156 @@
+"""The shared-memory data path: automatic selection, and the rules that keep a
+client from handing an engine wrong KV when the bytes it maps are being freed
+(the lease's end is checked like the server checks it on TCP; the checksum
+catches what changes under a copy)."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gcache.cli.deploy import LocalDeployment
+from gcache.errors import AccessDenied
+from gcache.transport.shm import MappedSegment, now_ms
+from gcache_client import GCacheClient
+from tests.kvdata import assert_layers_match, make_kv, tiny_hybrid, tokens
+
+LAYOUT = tiny_hybrid(block_size=16, window=32)
+
+
+@pytest.fixture(scope="module")
+def short_lease(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    d = LocalDeployment(
+        tmp_path_factory.mktemp("shm"),
+        servers=1,
+        capacity="8MiB",
+        meta_args=["--lease-ttl-s", "2.5"],
+    )
+    d.start()
+    yield d
+    d.stop()
+
+
+def _segment_path(d: LocalDeployment) -> str:
+    return d.stats().servers[0].shm_path
+
+
+def test_auto_maps_a_local_server_and_tcp_does_not(short_lease: LocalDeployment) -> None:
+    toks = tokens(64, seed=1)
+    for transport, expect_shm in (("auto", True), ("shm", True), ("tcp", False)):
+        with GCacheClient(short_lease.client_config(transport=transport)) as c:
+            ns = c.register_namespace("shm-auto", LAYOUT)
+            kv = make_kv(ns.layout, len(toks), seed=1)
+            assert c.put(ns, toks, kv).ok
+            m = c.match(ns, toks)
+            assert_layers_match(c.get(m), kv)
+            c.release(m)
+            assert (c.stats().get("bytes_read_shm", 0) > 0) == expect_shm, transport
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_read_after_the_lease_ended_and_the_range_was_reused_is_a_miss(
+    short_lease: LocalDeployment, transport: str
+) -> None:
+    with GCacheClient(short_lease.client_config(transport=transport)) as c:
+        ns = c.register_namespace(f"shm-expired-{transport}", LAYOUT)
+        a = tokens(64, seed=10)
+        a_kv = make_kv(ns.layout, len(a), seed=10)
+        assert c.put(ns, a, a_kv).ok
+        m = c.match(ns, a)
+        assert m.tokens == 64
+        # The lease ends; an admin eviction frees A, and B (same shape) takes its bytes.
+        time.sleep(2.7)
+        c.evict(ns, a, blocks=range(3, -1, -1), windows_only=False)
+        assert c.lookup(ns, a) == 0
+        b = tokens(64, seed=11)
+        b_kv = make_kv(ns.layout, len(b), seed=11)
+        assert c.put(ns, b, b_kv).ok
+        before = c.stats()
+        assert c.get(m) is None, "a read through an ended lease must be a miss"
+        after = c.stats()
+        assert after.get("remote_errors", 0) + after.get("integrity_errors", 0) > before.get(
+            "remote_errors", 0
+        ) + before.get("integrity_errors", 0)
+        stream = c.get_layers(m)
+        assert list(stream) == [] and not stream.ok
+        # B, the new owner of the bytes, reads back exactly.
+        mb = c.match(ns, b)
+        assert_layers_match(c.get(mb), b_kv)
+        c.release(mb)
+
+
+def _scribble(path: str, offset: int, length: int, started: object, stop: object) -> None:
+    """Another process reusing A's bytes while the client copies them."""
+    rng = np.random.default_rng(0)
+    with open(path, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
+        while True:
+            mm[offset : offset + length] = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+            started.set()  # type: ignore[attr-defined]
+            if stop.is_set():  # type: ignore[attr-defined]
+                return
+
+
+def test_bytes_rewritten_during_shm_copies_never_reach_the_caller(
+    short_lease: LocalDeployment,
+) -> None:
+    with GCacheClient(short_lease.client_config(transport="shm")) as c:
+        ns = c.register_namespace("shm-race", LAYOUT)
+        a = tokens(128, seed=20)
+        a_kv = make_kv(ns.layout, len(a), seed=20)
+        assert c.put(ns, a, a_kv).ok
+        m = c.match(ns, a)
+        assert_layers_match(c.get(m), a_kv)
+        grants = [loc.grant for loc in m.objects.values()]
+        lo = min(g.offset for g in grants)
+        hi = max(g.offset + g.length for g in grants)
+        ctx = mp.get_context("spawn")
+        started, stop = ctx.Event(), ctx.Event()
+        writer = ctx.Process(
+            target=_scribble, args=(_segment_path(short_lease), lo, hi - lo, started, stop)
+        )
+        writer.start()
+        assert started.wait(30), "scribbler did not start"
+        c.release(m)
+        results = []
+        try:
+            for _ in range(30):  # a fresh lease each time: the meta's is 2.5 s here
+                m = c.match(ns, a)
+                results.append(c.get(m))
+                c.release(m)
+        finally:
+            stop.set()
+            writer.join(10)
+        for got in results:
+            if got is not None:
+                assert_layers_match(got, a_kv)
+        m = c.match(ns, a)
+        assert c.get(m) is None  # the bytes are garbage now: every read is a miss
+        assert c.stats()["integrity_errors"] >= 1
+        c.release(m)
+
+
+def test_mapped_segment_refuses_expired_grants_and_foreign_ranges(tmp_path: Path) -> None:
+    path = tmp_path / "seg"
+    path.write_bytes(bytes(4096))
+    seg = MappedSegment(str(path))
+    dest = memoryview(bytearray(16))
+    future = now_ms() + 60_000
+    with pytest.raises(AccessDenied, match="expired"):
+        seg.read_leased([(0, 16)], [dest], now_ms() - 1)
+    with pytest.raises(AccessDenied, match="outside"):
+        seg.read_leased([(4090, 16)], [dest], future)
+    with pytest.raises(AccessDenied, match="expired"):
+        seg.write_granted(0, 16, now_ms() - 1, [memoryview(b"x" * 16)])
+    with pytest.raises(AccessDenied, match="grant of 8"):
+        seg.write_granted(0, 8, future, [memoryview(b"x" * 16)])
+    assert path.read_bytes()[:16] == bytes(16), "refused writes change nothing"
+    assert seg.write_granted(0, 16, future, [memoryview(b"y" * 16)]) == 16
+    assert seg.read_leased([(0, 16)], [dest], future) == 16
+    assert bytes(dest) == b"y" * 16
+    seg.close()
