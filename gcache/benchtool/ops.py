@@ -45,6 +45,8 @@ class Budget:
 
 def raw_layout(size: int) -> LayoutSpec:
     """One full layer whose one-token block is exactly ``size`` bytes (uint8)."""
+    if size < 2:
+        raise ValueError(f"size {size} must be at least 2 bytes")
     if size % 1024 == 0 and size // 1024 <= 65536:
         layer = LayerSpec("full", kv_heads=size // 1024, k_head_dim=512, v_head_dim=512)
     elif size <= 131072 and size >= 2:
