@@ -43,6 +43,9 @@ from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 log = logging.getLogger("gcache.client")
 
 
+MAX_BACKGROUND_RELEASES = 256
+
+
 def _host_port(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host, int(port)
@@ -64,6 +67,7 @@ class AsyncGCacheClient:
         self._shm: dict[tuple[str, str], MappedSegment | None] = {}
         self._data_lock = asyncio.Lock()
         self._closed = False
+        self._releases: set[asyncio.Task[None]] = set()
         self.counters: Counter[str] = Counter()
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -79,6 +83,8 @@ class AsyncGCacheClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._releases:  # let releases already under way reach the meta
+            await asyncio.wait(list(self._releases), timeout=self.config.timeout_s)
         self._closed = True
         if self._meta is not None:
             self._meta.close()
@@ -404,12 +410,23 @@ class AsyncGCacheClient:
         return Match(ns, res.blocks, res.tokens, res.lease_id, res.objects, res.servers)
 
     async def release(self, match: Match) -> None:
+        """Give the match's lease back. The Release is sent in the background (the
+        caller does not wait a round trip for it); past ``MAX_BACKGROUND_RELEASES``
+        in flight it is awaited, which bounds them."""
         if match.lease_id and not self._closed:
             lease_id, match.lease_id = match.lease_id, 0
-            try:
-                await self._meta_call(wire.Release(lease_id))
-            except GCacheError as exc:
-                log.debug("release failed (the lease expires by itself): %s", exc)
+            if len(self._releases) >= MAX_BACKGROUND_RELEASES:
+                await self._release(lease_id)
+                return
+            task = asyncio.create_task(self._release(lease_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, lease_id: int) -> None:
+        try:
+            await self._meta_call(wire.Release(lease_id))
+        except GCacheError as exc:
+            log.debug("release failed (the lease expires by itself): %s", exc)
 
     # ---- get -----------------------------------------------------------------------------
 
