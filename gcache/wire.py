@@ -154,6 +154,9 @@ class Lookup(Msg):
     namespace: bytes
     keys: list[bytes]
     lease: bool = False
+    # Leases the client is done with, released before the lookup: a client batches
+    # its Releases onto its next Lookup instead of paying a message for each.
+    release: list[int] = msgspec.field(default_factory=list)
 
 
 class ObjectLoc(Msg):
@@ -174,6 +177,7 @@ class LookupResult(Msg):
 
 class Release(Msg):
     lease_id: int
+    also: list[int] = msgspec.field(default_factory=list)  # more leases, same message
 
 
 BODY_TYPES: Final[dict[int, type[Msg]]] = {

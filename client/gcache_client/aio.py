@@ -43,7 +43,10 @@ from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 log = logging.getLogger("gcache.client")
 
 
-MAX_BACKGROUND_RELEASES = 256
+# Releases wait for the client's next Lookup (which carries them) or this long, then
+# go out as one message; past MAX_PENDING_RELEASES they go out at once.
+RELEASE_FLUSH_S = 0.002
+MAX_PENDING_RELEASES = 256
 
 
 def _host_port(addr: str) -> tuple[str, int]:
@@ -67,6 +70,8 @@ class AsyncGCacheClient:
         self._shm: dict[tuple[str, str], MappedSegment | None] = {}
         self._data_lock = asyncio.Lock()
         self._closed = False
+        self._to_release: list[int] = []
+        self._release_timer: asyncio.TimerHandle | None = None
         self._releases: set[asyncio.Task[None]] = set()
         self.counters: Counter[str] = Counter()
 
@@ -83,6 +88,8 @@ class AsyncGCacheClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._to_release and not self._closed:
+            self._flush_releases()
         if self._releases:  # let releases already under way reach the meta
             await asyncio.wait(list(self._releases), timeout=self.config.timeout_s)
         self._closed = True
@@ -386,7 +393,7 @@ class AsyncGCacheClient:
         block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
         try:
             res: wire.LookupResult = await self._ns_call(
-                ns, wire.Lookup(ns.fingerprint, block_keys)
+                ns, wire.Lookup(ns.fingerprint, block_keys, release=self._take_releases())
             )
         except GCacheError as exc:
             log.warning("lookup failed (miss): %s", exc)
@@ -400,7 +407,7 @@ class AsyncGCacheClient:
         block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
         try:
             res: wire.LookupResult = await self._ns_call(
-                ns, wire.Lookup(ns.fingerprint, block_keys, lease=True)
+                ns, wire.Lookup(ns.fingerprint, block_keys, True, self._take_releases())
             )
         except GCacheError as exc:
             log.warning("match failed (miss): %s", exc)
@@ -410,23 +417,37 @@ class AsyncGCacheClient:
         return Match(ns, res.blocks, res.tokens, res.lease_id, res.objects, res.servers)
 
     async def release(self, match: Match) -> None:
-        """Give the match's lease back. The Release is sent in the background (the
-        caller does not wait a round trip for it); past ``MAX_BACKGROUND_RELEASES``
-        in flight it is awaited, which bounds them."""
+        """Give the match's lease back. The caller does not wait for it: the lease
+        rides on this client's next Lookup, or goes out within ``RELEASE_FLUSH_S``
+        batched with others (a lost Release only means the lease runs its term)."""
         if match.lease_id and not self._closed:
-            lease_id, match.lease_id = match.lease_id, 0
-            if len(self._releases) >= MAX_BACKGROUND_RELEASES:
-                await self._release(lease_id)
-                return
-            task = asyncio.create_task(self._release(lease_id))
+            self._to_release.append(match.lease_id)
+            match.lease_id = 0
+            if len(self._to_release) >= MAX_PENDING_RELEASES:
+                self._flush_releases()
+            elif self._release_timer is None:
+                loop = asyncio.get_running_loop()
+                self._release_timer = loop.call_later(RELEASE_FLUSH_S, self._flush_releases)
+
+    def _take_releases(self) -> list[int]:
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        ids, self._to_release = self._to_release, []
+        return ids
+
+    def _flush_releases(self) -> None:
+        ids = self._take_releases()
+        if ids and not self._closed:
+            task = asyncio.create_task(self._send_releases(ids))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
-    async def _release(self, lease_id: int) -> None:
+    async def _send_releases(self, ids: list[int]) -> None:
         try:
-            await self._meta_call(wire.Release(lease_id))
+            await self._meta_call(wire.Release(ids[0], ids[1:]))
         except GCacheError as exc:
-            log.debug("release failed (the lease expires by itself): %s", exc)
+            log.debug("release failed (the leases expire by themselves): %s", exc)
 
     # ---- get -----------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ def dispatch(core: MetaCore, msg_type: int, msg: Any) -> wire.Msg:
     """Run one decoded request against the core; returns the reply body."""
     now, wall = time.monotonic(), time.time()
     if msg_type == wire.T_LOOKUP:
+        for lease_id in msg.release:
+            core.release(lease_id)
         return core.lookup(msg, now, wall)
     if msg_type == wire.T_PUT_BEGIN:
         return core.put_begin(msg, now, wall)
@@ -29,7 +31,10 @@ def dispatch(core: MetaCore, msg_type: int, msg: Any) -> wire.Msg:
     if msg_type == wire.T_PUT_ABORT:
         return wire.Ok(int(core.put_abort(msg.put_id)))
     if msg_type == wire.T_RELEASE:
-        return wire.Ok(int(core.release(msg.lease_id)))
+        released = int(core.release(msg.lease_id))
+        for lease_id in msg.also:
+            released += core.release(lease_id)
+        return wire.Ok(released)
     if msg_type == wire.T_PING:
         return wire.Ok(0)
     raise Refusal(E_BAD_REQUEST, f"message type {msg_type} not served by the meta")
