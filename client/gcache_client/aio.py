@@ -13,8 +13,9 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -47,6 +48,20 @@ log = logging.getLogger("gcache.client")
 # go out as one message; past MAX_PENDING_RELEASES they go out at once.
 RELEASE_FLUSH_S = 0.002
 MAX_PENDING_RELEASES = 256
+# Shared-memory copies and checksums of at least this many bytes per layer run on
+# COPY_THREADS threads (numpy's copy and xxh3 over large buffers run without the GIL).
+OFFLOAD_BYTES = 1 << 20
+COPY_THREADS = 2
+T = TypeVar("T")
+
+
+def _verify(checks: list[tuple[memoryview, memoryview, bytes]]) -> bool:
+    for kd, vd, want in checks:
+        h = xxhash.xxh3_64(kd)
+        h.update(vd)
+        if h.digest() != want:
+            return False
+    return True
 
 
 def _host_port(addr: str) -> tuple[str, int]:
@@ -73,6 +88,7 @@ class AsyncGCacheClient:
         self._to_release: list[int] = []
         self._release_timer: asyncio.TimerHandle | None = None
         self._releases: set[asyncio.Task[None]] = set()
+        self._copier: ThreadPoolExecutor | None = None
         self.counters: Counter[str] = Counter()
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -104,6 +120,9 @@ class AsyncGCacheClient:
         self._shm.clear()
         if self._channel is not None:
             await self._channel.close()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -134,6 +153,24 @@ class AsyncGCacheClient:
                 seg = MappedSegment(addr.shm_path, self.config.shm_populate)
             self._shm[key] = seg
         return self._shm[key]
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the client's copy threads, so a large copy or checksum does
+        not hold up the event loop (and layers already fetched reach the caller).
+        Cancellation waits for ``fn`` to finish: it may be writing into the
+        caller's buffers, which must be left alone once we return."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="gcache-copy")
+        fut = asyncio.get_running_loop().run_in_executor(self._copier, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    continue
+            raise
 
     def _control(self) -> Any:
         if self._channel is None:
@@ -510,8 +547,13 @@ class AsyncGCacheClient:
             seg = self._mapped(match.servers[si])
             if seg is not None:
                 expiry = min(g.expiry_ms for g in grants)
-                seg.read_leased([(off, n) for _, off, n in ranges], dest, expiry)
-                self.counters["bytes_read_shm"] += sum(n for _, _, n in ranges)
+                spans = [(off, n) for _, off, n in ranges]
+                nbytes = sum(n for _, n in spans)
+                if nbytes >= OFFLOAD_BYTES:
+                    await self._offload(seg.read_leased, spans, dest, expiry)
+                else:
+                    seg.read_leased(spans, dest, expiry)
+                self.counters["bytes_read_shm"] += nbytes
             else:
                 remote[si] = await self._server(match.servers[si])
         if remote:
@@ -525,11 +567,12 @@ class AsyncGCacheClient:
                     for si in remote
                 )
             )
-        for kd, vd, want in checks:
-            h = xxhash.xxh3_64(kd)
-            h.update(vd)
-            if h.digest() != want:
-                raise IntegrityError(f"layer {layer}: checksum mismatch")
+        if k_arr.nbytes + v_arr.nbytes >= OFFLOAD_BYTES:
+            ok = await self._offload(_verify, checks)
+        else:
+            ok = _verify(checks)
+        if not ok:
+            raise IntegrityError(f"layer {layer}: checksum mismatch")
         if self.as_torch and out is None:
             k_user, v_user = (
                 arrays.as_torch(k_arr, layout.dtype),

@@ -16,6 +16,8 @@ import socket
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from gcache.errors import E_ACCESS_DENIED, E_OUT_OF_RANGE, AccessDenied, ConnectionLost
 
 
@@ -24,7 +26,7 @@ def now_ms() -> int:
 
 
 class MappedSegment:
-    __slots__ = ("_mm", "path", "size", "view")
+    __slots__ = ("_arr", "_mm", "path", "size", "view")
 
     def __init__(self, path: str, populate: bool = False) -> None:
         self.path = path
@@ -43,16 +45,19 @@ class MappedSegment:
         finally:
             os.close(fd)
         self.view = memoryview(self._mm)
+        self._arr = np.frombuffer(self._mm, np.uint8)
 
-    def _range(self, offset: int, length: int) -> memoryview:
+    def _check(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise AccessDenied(E_OUT_OF_RANGE, f"range [{offset}, +{length}) outside the segment")
-        return self.view[offset : offset + length]
 
     def read_into(self, ranges: Sequence[tuple[int, int]], dest: Sequence[memoryview]) -> int:
-        total = 0
+        # np.copyto drops the GIL for the copy (memoryview assignment does not): the
+        # thread consuming layers keeps running while the next layer is copied.
+        arr, total = self._arr, 0
         for (off, length), d in zip(ranges, dest, strict=True):
-            d[:] = self._range(off, length)
+            self._check(off, length)
+            np.copyto(np.frombuffer(d, np.uint8), arr[off : off + length])
             total += length
         return total
 
@@ -85,15 +90,17 @@ class MappedSegment:
         return self.write(offset, payload)
 
     def write(self, offset: int, payload: Sequence[memoryview]) -> int:
-        pos = offset
+        arr, pos = self._arr, offset
         for v in payload:
             n = v.nbytes
-            self._range(pos, n)[:] = v
+            self._check(pos, n)
+            np.copyto(arr[pos : pos + n], np.frombuffer(v, np.uint8))
             pos += n
         return pos - offset
 
     def close(self) -> None:
         try:
+            del self._arr
             self.view.release()
             self._mm.close()
         except BufferError:

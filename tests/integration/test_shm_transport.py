@@ -154,3 +154,42 @@ def test_mapped_segment_refuses_expired_grants_and_foreign_ranges(tmp_path: Path
     assert seg.read_leased([(0, 16)], [dest], future) == 16
     assert bytes(dest) == b"y" * 16
     seg.close()
+
+
+def test_large_layers_are_copied_and_verified_off_the_loop(short_lease: LocalDeployment) -> None:
+    """Layers of >= 1 MiB take the copy-thread path; reads stay exact, damaged
+    bytes are still a miss, and a cancelled read leaves the client usable."""
+    import asyncio
+
+    from gcache.layout import LayerSpec, LayoutSpec
+    from gcache_client import AsyncGCacheClient
+    from gcache_client.aio import OFFLOAD_BYTES
+
+    big = LayerSpec("full", kv_heads=8, k_head_dim=512, v_head_dim=512)
+    spec = LayoutSpec(block_size=16, dtype="float16", layers=(big, big))
+    toks = tokens(64, seed=40)
+
+    async def scenario() -> None:
+        async with AsyncGCacheClient(short_lease.client_config(transport="shm")) as c:
+            ns = await c.register_namespace("shm-big", spec)
+            kv = make_kv(ns.layout, len(toks), seed=40)
+            assert kv[0][0].nbytes + kv[0][1].nbytes >= OFFLOAD_BYTES
+            assert (await c.put(ns, toks, kv)).ok
+            m = await c.match(ns, toks)
+            assert_layers_match(await c.get(m), kv)
+            layers = [layer async for layer in c.get_layers(m)]
+            assert_layers_match(layers, kv)
+            task = asyncio.create_task(c.get(m))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert_layers_match(await c.get(m), kv)
+            loc = m.objects[(2, 0)]
+            with open(_segment_path(short_lease), "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
+                mm[loc.grant.offset + 7] ^= 0x55
+                assert await c.get(m) is None
+                mm[loc.grant.offset + 7] ^= 0x55
+            await c.release(m)
+
+    asyncio.run(scenario())
