@@ -8,7 +8,9 @@ translated at each boundary with ``raise ... from`` so callers catch one family:
     ├── ConfigError            bad settings, flags, env vars or config file
     ├── LayoutError            a layout spec is invalid, or data does not match it
     ├── ProtocolError          bytes on the wire are malformed (bad magic, version,
-    │                          length, body); the connection cannot continue
+    │   │                      length, body); the connection cannot continue
+    │   └── InvalidBody        a whole frame whose body breaks the schema; the
+    │                          stream is still in step (the meta answers and goes on)
     ├── RemoteError            the peer understood the request and refused it; it
     │   │                      carries the peer's error ``code`` and message and the
     │   │                      connection stays usable
@@ -45,6 +47,12 @@ class LayoutError(GCacheError):
 
 class ProtocolError(GCacheError):
     """Malformed bytes on the wire; the connection cannot continue."""
+
+
+class InvalidBody(ProtocolError):
+    """A well-framed body whose values break the schema (a 15-byte block key, say).
+    The frame was read whole, so the stream is still in step: a server may answer
+    with an error and go on."""
 
 
 class RemoteError(GCacheError):

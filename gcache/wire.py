@@ -16,11 +16,11 @@ Decoding validates everything a peer controls; any violation raises
 from __future__ import annotations
 
 import struct
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
-from gcache.errors import ProtocolError
+from gcache.errors import InvalidBody, ProtocolError
 
 MAGIC: Final = 0x4743  # "GC"
 VERSION: Final = 1
@@ -43,6 +43,11 @@ T_PUT_ABORT: Final = 23
 T_LOOKUP: Final = 24
 T_LOOKUP_RESULT: Final = 25
 T_RELEASE: Final = 26
+
+
+# A block key (gcache.keys.KEY_SIZE bytes), checked by the decoder in C: a lookup of
+# a 128k-token prompt carries 2048 of them.
+BlockKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
 class Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=False):
@@ -115,7 +120,7 @@ class PutBegin(Msg):
     checkpoint windows from there on; -1 (old clients): only what ``groups`` offers."""
 
     namespace: bytes
-    keys: list[bytes]
+    keys: list[BlockKey]
     groups: list[int]
     checkpoint_from: int = -1
 
@@ -152,7 +157,7 @@ class PutAbort(Msg):
 
 class Lookup(Msg):
     namespace: bytes
-    keys: list[bytes]
+    keys: list[BlockKey]
     lease: bool = False
     # Leases the client is done with, released before the lookup: a client batches
     # its Releases onto its next Lookup instead of paying a message for each.
@@ -233,6 +238,8 @@ def decode_body(msg_type: int, body: bytes | bytearray | memoryview) -> Any:
     """Decode and type-check a body for ``msg_type``. Raises :class:`ProtocolError`."""
     try:
         return _DECODERS[msg_type].decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidBody(f"invalid body for message type {msg_type}: {exc}") from exc
     except (msgspec.DecodeError, KeyError, RecursionError) as exc:
         raise ProtocolError(f"bad body for message type {msg_type}: {exc}") from exc
 

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument(
         "--prompt",
-        default="32768",
-        help="get_layers: prompt tokens; lookup: comma-separated list (4096,32768,131072)",
+        default=None,
+        help="get_layers: prompt tokens (default 32768); lookup: comma-separated list "
+        "(default 4096,32768,131072)",
     )
     p.add_argument(
         "--compute",
@@ -95,6 +96,8 @@ def check_args(args: argparse.Namespace) -> list[int]:
     if args.op in ("get_layers", "lookup"):
         if args.size or args.all:
             raise SystemExit(f"gcache-bench: {args.op} takes --prompt, not -s/-a")
+        if args.prompt is None:
+            args.prompt = "32768" if args.op == "get_layers" else "4096,32768,131072"
         try:
             prompts = [int(x) for x in str(args.prompt).split(",")]
         except ValueError:
@@ -216,16 +219,23 @@ def run_lookups(
     from gcache_client import AsyncGCacheClient
 
     bs = args.block_size
-    longest = max(prompts) // bs
-    n_prompts = max(1, -(-args.index_blocks // longest))
+    # Each prompt length gets its own whole prompts (a lookup of a prefix would stop
+    # at the last saved SWA window), together at least --index-blocks blocks.
+    share = -(-args.index_blocks // len(prompts))
+    counts = {p: max(1, -(-share // (p // bs))) for p in prompts}
+    total_blocks = sum(n * (p // bs) for p, n in counts.items())
     rows = []
 
-    async def remote() -> tuple[Any, list[list[bytes]]]:
+    async def remote() -> tuple[Any, dict[int, list[list[bytes]]]]:
         async with AsyncGCacheClient(cfg) as client:
             ns = await client.register_namespace("gcache-bench/lookup", args.preset, block_size=bs)
-            key_lists = await ops.populate_index(
-                client, ns, n_prompts, longest, Progress("indexing", n_prompts)
-            )
+            key_lists: dict[int, list[list[bytes]]] = {}
+            progress = Progress("indexing", sum(counts.values()))
+            for p, n in counts.items():
+                key_lists[p] = await ops.populate_index(
+                    client, ns, n, p // bs, progress, first=sum(map(len, key_lists.values()))
+                )
+            progress.close()
             for p in prompts:
                 budget = ops.Budget(
                     args.iters or (1 << 62 if args.duration else 2000), args.duration or 0.0
@@ -233,7 +243,7 @@ def run_lookups(
                 s = await ops.run_lookup(
                     client,
                     ns,
-                    key_lists,
+                    key_lists[p],
                     p // bs,
                     budget,
                     args.qd,
@@ -246,7 +256,7 @@ def run_lookups(
                     0,
                     s,
                     prompt_tokens=p,
-                    indexed_blocks=n_prompts * longest,
+                    indexed_blocks=total_blocks,
                     lease=args.lease,
                 )
                 r["lookups_per_s"] = r["mops"] * 1e6
@@ -265,7 +275,7 @@ def run_lookups(
 
     fp = core.register_namespace({"model": "inproc"}, preset(args.preset, bs)).fingerprint
     layout = core.namespaces[fp].layout
-    for ks_orig in key_lists:
+    for ks_orig in (ks for lists in key_lists.values() for ks in lists):
         placed = core.put_begin(
             wire.PutBegin(fp, ks_orig, layout.groups_to_store(len(ks_orig))), 0.0, 0.0
         )
@@ -283,7 +293,7 @@ def run_lookups(
     for p in prompts:
         s = Samples()
         for _ in range(min(args.iters or 2000, 2000)):
-            ks = key_lists[int(rng.integers(len(key_lists)))][: p // bs]
+            ks = key_lists[p][int(rng.integers(len(key_lists[p])))]
             t0 = time.perf_counter()
             core.lookup(wire.Lookup(fp, ks, args.lease), 1.0, 0.0)
             s.add(t0, time.perf_counter(), 0)
@@ -355,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
             capacity=capacity,
             metrics_port=-1,
             meta_args=["--high-watermark", "0.95", "--low-watermark", "0.9"],
+            # lookup indexes blocks without writing them: a sparse segment suffices
+            server_args=["--no-populate"] if args.op == "lookup" else [],
         )
         deployment.start()
         meta, meta_grpc = deployment.meta_addr, deployment.meta_grpc

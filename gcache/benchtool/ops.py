@@ -156,14 +156,19 @@ async def run_read(
 
 
 async def populate_index(
-    client: AsyncGCacheClient, ns: Namespace, prompts: int, prompt_blocks: int, progress: Progress
+    client: AsyncGCacheClient,
+    ns: Namespace,
+    prompts: int,
+    prompt_blocks: int,
+    progress: Progress,
+    first: int = 0,
 ) -> list[list[bytes]]:
     """Index ``prompts`` x ``prompt_blocks`` blocks through the hot path without
     writing data (PutBegin + PutCommit with zero checksums): the meta's index, not
     the data plane, is what lookup measures."""
     layout = ns.layout
     key_lists = []
-    for p in range(prompts):
+    for p in range(first, first + prompts):
         toks = np.arange(p * 10**7, p * 10**7 + prompt_blocks * layout.block_size, dtype=np.int64)
         ks = keymod.block_keys(ns.fingerprint, toks, layout.block_size)
         key_lists.append(ks)
@@ -175,7 +180,6 @@ async def populate_index(
         ]
         await client._meta_call(wire.PutCommit(placed.put_id, done))
         progress.update(p + 1)
-    progress.close()
     return key_lists
 
 
@@ -192,7 +196,7 @@ async def run_lookup(
     rng = np.random.default_rng(7)
 
     async def op(i: int) -> int:
-        ks = key_lists[int(rng.integers(len(key_lists)))][:nblocks]
+        ks = key_lists[int(rng.integers(len(key_lists)))]
         res = await client._meta_call(wire.Lookup(ns.fingerprint, ks, lease))
         if res.blocks != nblocks:
             raise RuntimeError(f"lookup matched {res.blocks} of {nblocks} blocks")

@@ -15,6 +15,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from gcache import capability, keys, wire
@@ -67,6 +68,24 @@ COUNTERS = (
 )
 MAX_NAMESPACES = 4096
 MAX_FREED_REPORT = 1 << 16
+_OBJECTS = attrgetter("objects")
+
+
+def _present_prefix(entries: dict[bytes, BlockEntry], key_list: list[bytes]) -> int:
+    """How many leading keys of ``key_list`` have an entry. Entries are prefix-closed
+    (an entry is created only under its parent, and a parent with children is never
+    dropped) and a key names its whole prefix, so presence is monotone along a
+    prompt: binary search, O(log n) dict lookups instead of n."""
+    lo, hi = 0, len(key_list)  # key_list[:lo] present; key_list[hi:] absent
+    if hi and key_list[hi - 1] in entries:
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if key_list[mid] in entries:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _wall_ms(now: float, mono_now: float, at: float) -> int:
@@ -162,13 +181,14 @@ class MetaCore:
         return ns
 
     def _check_keys(self, key_list: list[bytes]) -> None:
-        if len(key_list) > self.cfg.max_keys_per_request:
-            raise Refusal(
-                E_BAD_REQUEST, f"{len(key_list)} keys exceed {self.cfg.max_keys_per_request}"
-            )
-        for k in key_list:
-            if len(k) != keys.KEY_SIZE:
-                raise Refusal(E_BAD_REQUEST, f"block keys are {keys.KEY_SIZE} bytes, got {len(k)}")
+        n = len(key_list)
+        if n > self.cfg.max_keys_per_request:
+            raise Refusal(E_BAD_REQUEST, f"{n} keys exceed {self.cfg.max_keys_per_request}")
+        # Frames from the wire were checked key by key in the decoder; this one
+        # C-speed pass catches in-process callers' wrong sizes.
+        if len(b"".join(key_list)) != n * keys.KEY_SIZE:
+            bad = next((len(k) for k in key_list if len(k) != keys.KEY_SIZE), 0)
+            raise Refusal(E_BAD_REQUEST, f"block keys are {keys.KEY_SIZE} bytes, got {bad}")
 
     def put_begin(self, req: wire.PutBegin, now: float, wall: float) -> wire.PutPlaced:
         ns = self._namespace(req.namespace)
@@ -400,6 +420,8 @@ class MetaCore:
                 continue
             obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now)
             entry.objects[g] = obj
+            if g == ns.full_group:
+                ns.full_holes -= 1
             srv.objects += 1
             added[g] += size
             objs.append(obj)
@@ -446,6 +468,8 @@ class MetaCore:
             )
             up.children += 1
             self.entries += 1
+            if ns.full_group is not None:
+                ns.full_holes += 1
             return entry
         parent = entries.get(key_list[start - 1]) if start > 0 else None
         groups = ns.layout.num_groups
@@ -453,6 +477,8 @@ class MetaCore:
             entry = BlockEntry(key_list[i], parent, i, groups)
             entries[key_list[i]] = entry
             self.entries += 1
+            if ns.full_group is not None:
+                ns.full_holes += 1
             if parent is not None:
                 parent.children += 1
             parent = entry
@@ -465,9 +491,10 @@ class MetaCore:
         ns = self._namespace(req.namespace)
         self._check_keys(req.keys)
         layout = ns.layout
-        p, chain = self.match(ns, req.keys, len(req.keys))
+        p = self.match(ns, req.keys, len(req.keys))
         if p == 0 or not req.lease:
             return wire.LookupResult(blocks=p, tokens=p * layout.block_size)
+        chain = list(map(ns.entries.__getitem__, req.keys[:p]))
         picked = self.pick(ns, chain, p, now)
         lease_id = next(self._lease_ids)
         expiry = now + self.cfg.lease_ttl_s
@@ -492,27 +519,25 @@ class MetaCore:
         self.counters["leases_granted"] += 1
         return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
 
-    def match(
-        self, ns: NamespaceRecord, key_list: list[bytes], limit: int
-    ) -> tuple[int, list[BlockEntry]]:
-        """Longest valid match (blocks) among the first ``limit`` keys, and the chain
-        of cached entries it was found in."""
+    def match(self, ns: NamespaceRecord, key_list: list[bytes], limit: int) -> int:
+        """Longest valid match (blocks) among the first ``limit`` keys."""
         entries = ns.entries
+        keys_ = key_list[:limit] if limit < len(key_list) else key_list
+        n = _present_prefix(entries, keys_)
         fg = ns.full_group
-        chain: list[BlockEntry] = []
-        for i in range(limit):
-            e = entries.get(key_list[i])
-            if e is None or (fg is not None and e.objects[fg] is None):
-                break
-            chain.append(e)
+        if fg is not None and ns.full_holes and n:
+            # Some entry lacks its full object: find the first such on this chain.
+            fulls = list(map(itemgetter(fg), map(_OBJECTS, map(entries.__getitem__, keys_[:n]))))
+            if None in fulls:
+                n = fulls.index(None)
         layout = ns.layout
-        p = layout.valid_match(len(chain), lambda j, g: chain[j].objects[g] is not None)
+        p = layout.valid_match(n, lambda j, g: entries[keys_[j]].objects[g] is not None)
         c = self.counters
         c["lookups"] += 1
         c["lookup_blocks"] += limit
         c["hit_blocks"] += p
         c["hit_tokens"] += p * layout.block_size
-        return p, chain
+        return p
 
     def pick(
         self, ns: NamespaceRecord, chain: list[BlockEntry], p: int, now: float
@@ -612,6 +637,8 @@ class MetaCore:
         obj = entry.objects[g]
         assert obj is not None
         entry.objects[g] = None
+        if g == ns.full_group:
+            ns.full_holes += 1
         srv = obj.server
         size = obj.length
         srv.objects -= 1
@@ -636,6 +663,8 @@ class MetaCore:
         obj = entry.objects[g]
         assert obj is not None
         entry.objects[g] = None
+        if g == ns.full_group:
+            ns.full_holes += 1
         obj.server.objects -= 1
         self.live_objects -= 1
         self.live_bytes -= obj.length
@@ -651,6 +680,8 @@ class MetaCore:
                 return  # already pruned
             del entries[entry.key]
             self.entries -= 1
+            if ns.full_group is not None:
+                ns.full_holes -= 1
             parent = entry.parent
             if parent is None:
                 return

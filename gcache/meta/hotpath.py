@@ -10,7 +10,14 @@ import time
 from typing import Any
 
 from gcache import wire
-from gcache.errors import E_BAD_REQUEST, E_INTERNAL, GCacheError, ProtocolError, Refusal
+from gcache.errors import (
+    E_BAD_REQUEST,
+    E_INTERNAL,
+    GCacheError,
+    InvalidBody,
+    ProtocolError,
+    Refusal,
+)
 from gcache.meta.core import MetaCore
 from gcache.transport.stream import FrameStream
 
@@ -52,10 +59,15 @@ class HotPathServer:
         core = self.core
         try:
             while True:
-                frame = await stream.recv_frame()
-                if frame is None:
+                head = await stream.recv_head()
+                if head is None:
                     return
-                head, msg = frame
+                try:
+                    msg = await stream.recv_body(head)
+                except InvalidBody as exc:  # the frame was read whole: answer, go on
+                    core.counters["refused"] += 1
+                    await stream.send_msg(wire.Error(E_BAD_REQUEST, str(exc)), head.req_id)
+                    continue
                 try:
                     reply = dispatch(core, head.msg_type, msg)
                 except Refusal as r:

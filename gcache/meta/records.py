@@ -84,6 +84,7 @@ class NamespaceRecord:
         "entries",
         "fingerprint",
         "full_group",
+        "full_holes",
         "layout",
         "max_tail",
         "ns_id",
@@ -100,6 +101,9 @@ class NamespaceRecord:
         self.entries: dict[bytes, BlockEntry] = {}
         tails = layout.group_tail_blocks
         self.full_group: int | None = tails.index(None) if None in tails else None
+        # Entries whose full object is missing (created empty, or their full object
+        # evicted or lost). While 0, a lookup needs no per-block scan (see match).
+        self.full_holes = 0
         # (group, tail blocks) of every windowed group, and the longest tail: the
         # blocks before a match end (or checkpoint) that need windowed objects.
         self.windowed: list[tuple[int, int]] = [

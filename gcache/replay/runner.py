@@ -120,9 +120,9 @@ def replay(
         total += prefix(length)
         if belady is not None:
             belady.clock = r
-        p, chain = match(ns, keys, min(n, (length - 1) // bs))
+        p = match(ns, keys, min(n, (length - 1) // bs))
         if p:
-            pick(ns, chain, p, now)
+            pick(ns, list(map(entries.__getitem__, keys[:p])), p, now)
             hit_tokens += p * bs
             saved += prefix(p * bs)
         if belady is not None:

@@ -22,6 +22,14 @@ def _safe(server_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", server_id)
 
 
+def _free_bytes(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -38,6 +46,14 @@ class Segment:
     def __init__(self, path: str, capacity: int, populate: bool = False) -> None:
         self.path = path
         self.capacity = capacity
+        if populate:
+            free = _free_bytes(os.path.dirname(path) or ".")
+            if free is not None and capacity > free:
+                raise GCacheError(
+                    f"a {capacity}-byte segment does not fit in {os.path.dirname(path)} "
+                    f"({free} bytes free): lower --capacity, enlarge the tmpfs, or pass "
+                    "--no-populate to map it sparse (pages are then taken on first write)"
+                )
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:

@@ -27,6 +27,7 @@ def test_sizes_and_sweep() -> None:
 
 def test_prompts_for_layer_and_lookup_modes() -> None:
     assert sizes("get_layers") == [32768]
+    assert sizes("lookup") == [4096, 32768, 131072]
     assert sizes("lookup", "--prompt", "4096,32768,131072") == [4096, 32768, 131072]
 
 

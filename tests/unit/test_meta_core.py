@@ -231,17 +231,33 @@ def brute_force_match(core: MetaCore, fp: bytes, toks: list[int]) -> int:
     return 0
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5)), min_size=1, max_size=25))
-def test_random_puts_keep_index_consistent(prompts: list[tuple[int, int]]) -> None:
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 8), st.integers(0, 5)),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_random_puts_keep_index_consistent(prompts: list[tuple[int, int, int, int]]) -> None:
     core = make_core(servers=2, capacity=128 << 10, high_watermark=0.7, low_watermark=0.4)
     fp = register(core)
     ns = core.namespaces[fp]
-    for step, (branch, nblk) in enumerate(prompts):
+    incarnation = 1
+    for step, (branch, nblk, event, cut) in enumerate(prompts):
+        if event == 0:  # s1 restarts: its objects leave the index, holes mid-chain
+            incarnation += 1
+            addr = core.servers["s1"].addr
+            core.register_server(addr, bytes(16), incarnation, 128 << 10, float(step))
         toks = [branch * 7 + t for t in range(4 * nblk)]
+        before = lookup(core, fp, toks, now=float(step)).blocks
+        assert before == brute_force_match(core, fp, toks)
         put(core, fp, toks, now=float(step))
-        got = lookup(core, fp, toks, now=float(step)).blocks
-        assert got == brute_force_match(core, fp, toks)
+        for probe in (toks, toks[: max(0, len(toks) - 4 * cut)]):
+            got = lookup(core, fp, probe, now=float(step)).blocks
+            assert got == brute_force_match(core, fp, probe)
+        # The hole counter that lets lookups skip the per-block scan matches a rescan.
+        assert ns.full_holes == sum(1 for e in ns.entries.values() if e.objects[0] is None)
         # Counters match a rescan.
         objs = [o for e in ns.entries.values() for o in e.objects if o is not None]
         assert core.live_objects == len(objs)
