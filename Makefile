@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck unit integration proto clean venv
+.PHONY: run test lint typecheck unit integration proto clean venv compare
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+# GCache against iperf3, memcpy, Redis and Mooncake; installs the peers on first use.
+compare: $(STAMP)
+	$(PY) -m bench.compare
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

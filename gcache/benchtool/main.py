@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     dur.add_argument("-n", "--iters", type=int, help="iterations per size (default 1000)")
     dur.add_argument("-D", "--duration", type=float, help="seconds per size")
     p.add_argument("--qd", type=int, default=1, help="operations in flight per client")
+    p.add_argument(
+        "--batch", type=int, default=1, help="write/read: objects per operation (one put/match)"
+    )
     p.add_argument("--clients", type=int, default=1, help="client processes")
     p.add_argument("--transport", choices=["auto", "tcp", "shm"], default="tcp")
     where = p.add_mutually_exclusive_group()
@@ -87,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> list[int]:
     """Validate; returns the sizes to run. Raises SystemExit with a message."""
-    if args.qd < 1 or args.clients < 1:
-        raise SystemExit("gcache-bench: --qd and --clients must be >= 1")
+    if args.qd < 1 or args.clients < 1 or args.batch < 1:
+        raise SystemExit("gcache-bench: --qd, --clients and --batch must be >= 1")
     if args.iters is not None and args.iters < 1:
         raise SystemExit("gcache-bench: -n must be >= 1")
     if args.duration is not None and args.duration <= 0:
@@ -135,11 +138,12 @@ async def _data_op(args: dict[str, Any], client_id: int) -> Samples:
     async with AsyncGCacheClient(cfg) as client:
         if args["op"] == "write":
             return await ops.run_write(
-                client, args["size"], budget, args["qd"], client_id, progress
+                client, args["size"], budget, args["qd"], client_id, progress, args["batch"]
             )
-        count = max(1, min(64, (256 << 20) // args["size"]))
-        ns = await ops.prepare_objects(client, args["size"], count)
-        return await ops.run_read(client, ns, count, budget, args["qd"], progress)
+        batch = args["batch"]
+        count = max(1, min(64, (256 << 20) // (args["size"] * batch)))
+        ns = await ops.prepare_objects(client, args["size"], count, batch)
+        return await ops.run_read(client, ns, count, budget, args["qd"], progress, batch)
 
 
 def _run(coro: Any) -> Any:
@@ -160,6 +164,7 @@ def run_data(args: argparse.Namespace, size: int, cfg: ClientConfig) -> dict[str
         "op": args.op,
         "size": size,
         "qd": args.qd,
+        "batch": args.batch,
         "client": cfg.__dict__,
         "iters": args.iters if args.iters else (1 << 62 if args.duration else 1000),
         "seconds": args.duration or 0.0,
@@ -184,7 +189,9 @@ def run_data(args: argparse.Namespace, size: int, cfg: ClientConfig) -> dict[str
             pr.join()
         if errors:
             raise RuntimeError("; ".join(errors))
-    return summarize(args.op, args.transport, size, samples, qd=args.qd, clients=args.clients)
+    return summarize(
+        args.op, args.transport, size, samples, qd=args.qd, clients=args.clients, batch=args.batch
+    )
 
 
 # ---- get_layers and lookup ----------------------------------------------------------------

@@ -1,9 +1,11 @@
 """The operations ``gcache-bench`` measures, each as a user of the client sees it.
 
-* ``write``: one object of SIZE bytes per operation, a complete ``put`` (PutBegin,
-  the data write, PutCommit; checksums computed), each to a new key.
-* ``read``: a complete leased read of one object: ``match`` (Lookup with lease),
-  the data read into a preallocated buffer with checksum verification, ``release``.
+* ``write``: ``--batch`` objects of SIZE bytes per operation (default 1), a complete
+  ``put`` (PutBegin, the data writes, PutCommit; checksums computed), to new keys.
+* ``read``: a complete leased read of ``--batch`` objects: ``match`` (Lookup with
+  lease), the data read into a preallocated buffer with checksum verification,
+  ``release``. A batch is one prompt of ``--batch`` blocks, so one Lookup and one
+  Read cover it (what Mooncake's ``batch_get_into`` of that many keys does).
 * ``get_layers``: a whole MiMo-V2-Flash prompt layer by layer (see ``run_get_layers``).
 * ``lookup``: the meta's hot-path Lookup of a prompt's precomputed block keys.
 
@@ -58,12 +60,17 @@ def raw_layout(size: int) -> LayoutSpec:
     return LayoutSpec(block_size=1, dtype="uint8", layers=(layer,))
 
 
-def raw_kv(spec: LayoutSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+def raw_kv(spec: LayoutSpec, blocks: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
     layer = spec.layers[0]
     rng = np.random.default_rng(1)
-    k = rng.integers(0, 256, (1, layer.kv_heads, layer.k_head_dim), dtype=np.uint8)
-    v = rng.integers(0, 256, (1, layer.kv_heads, layer.v_head_dim), dtype=np.uint8)
+    k = rng.integers(0, 256, (blocks, layer.kv_heads, layer.k_head_dim), dtype=np.uint8)
+    v = rng.integers(0, 256, (blocks, layer.kv_heads, layer.v_head_dim), dtype=np.uint8)
     return [(k, v)]
+
+
+def batch_tokens(first: int, batch: int) -> np.ndarray:
+    """A prompt of ``batch`` one-token blocks: one operation covers ``batch`` objects."""
+    return np.arange(first * batch, (first + 1) * batch, dtype=np.int64)
 
 
 async def _pump(qd: int, budget: Budget, op: Any, progress: Progress) -> Samples:
@@ -91,29 +98,33 @@ async def run_write(
     qd: int,
     client_id: int,
     progress: Progress,
+    batch: int = 1,
 ) -> Samples:
     spec = raw_layout(size)
     ns = await client.register_namespace(f"gcache-bench/raw/{uuid.uuid4()}", spec)
-    kv = raw_kv(spec)
+    kv = raw_kv(spec, batch)
     base = client_id << 24
 
     async def op(i: int) -> int:
-        res = await client.put(ns, np.array([base + i], dtype=np.int64), kv)
-        if not res.ok or res.stored != 1:
+        res = await client.put(ns, batch_tokens(base + i, batch), kv)
+        if not res.ok or res.stored != batch:
             raise RuntimeError(f"write failed: {res}")
-        return size
+        return size * batch
 
     # Untimed warm-up: connections opened, a local segment mapped (perftest does the same).
-    await client.put(ns, np.array([base + (1 << 23)], dtype=np.int64), kv)
+    await client.put(ns, batch_tokens(base + (1 << 23), batch), kv)
     return await _pump(qd, budget, op, progress)
 
 
-async def prepare_objects(client: AsyncGCacheClient, size: int, count: int) -> Namespace:
+async def prepare_objects(
+    client: AsyncGCacheClient, size: int, count: int, batch: int = 1
+) -> Namespace:
+    """``count`` stored prompts of ``batch`` objects each, to read back."""
     spec = raw_layout(size)
     ns = await client.register_namespace(f"gcache-bench/raw/{uuid.uuid4()}", spec)
-    kv = raw_kv(spec)
+    kv = raw_kv(spec, batch)
     for i in range(count):
-        res = await client.put(ns, np.array([i], dtype=np.int64), kv)
+        res = await client.put(ns, batch_tokens(i, batch), kv)
         if not res.ok:
             raise RuntimeError(f"could not store the objects to read: {res}")
     return ns
@@ -126,24 +137,25 @@ async def run_read(
     budget: Budget,
     qd: int,
     progress: Progress,
+    batch: int = 1,
 ) -> Samples:
     spec = ns.layout.spec.layers[0]
     bufs = [
         [
             (
-                np.empty((1, spec.kv_heads, spec.k_head_dim), np.uint8),
-                np.empty((1, spec.kv_heads, spec.v_head_dim), np.uint8),
+                np.empty((batch, spec.kv_heads, spec.k_head_dim), np.uint8),
+                np.empty((batch, spec.kv_heads, spec.v_head_dim), np.uint8),
             )
         ]
         for _ in range(qd)
     ]
     free = list(range(qd))
-    size = ns.layout.group_object_bytes[0]
+    size = ns.layout.group_object_bytes[0] * batch
 
     async def op(i: int) -> int:
         slot = free.pop()
         try:
-            m = await client.match(ns, np.array([i % count], dtype=np.int64))
+            m = await client.match(ns, batch_tokens(i % count, batch))
             got = await client.get(m, bufs[slot])
             await client.release(m)
             if got is None:

@@ -94,10 +94,14 @@ class LocalDeployment:
     def start(self, timeout: float = 30.0) -> LocalDeployment:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
-        self._start_meta(deadline)
-        for i in range(self.n_servers):
-            self.start_server(i, deadline)
-        self.wait_servers(self.n_servers, deadline - time.monotonic())
+        try:
+            self._start_meta(deadline)
+            for i in range(self.n_servers):
+                self.start_server(i, deadline)
+            self.wait_servers(self.n_servers, deadline - time.monotonic())
+        except BaseException:
+            self.stop()  # never leave half a deployment running
+            raise
         return self
 
     def _start_meta(self, deadline: float) -> None:

@@ -46,8 +46,9 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("write", "--qd", "0"), "--qd and --clients must be >= 1"),
-        (("write", "--clients", "0"), "--qd and --clients must be >= 1"),
+        (("write", "--qd", "0"), "--qd, --clients and --batch must be >= 1"),
+        (("write", "--clients", "0"), "--qd, --clients and --batch must be >= 1"),
+        (("read", "--batch", "0"), "--qd, --clients and --batch must be >= 1"),
         (("write", "-n", "0"), "-n must be >= 1"),
         (("read", "-D", "0"), "-D must be > 0"),
         (("write", "-s", "lots"), "gcache-bench:"),

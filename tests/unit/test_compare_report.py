@@ -1,0 +1,74 @@
+"""bench.compare: sizes parsing and the ratio table (pure functions, no peers run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.compare.__main__ import _sizes, parse_args
+from bench.compare.report import MEMCPY_TARGET, chart, human, ratios
+
+
+def row(system: str, op: str, nbytes: int, gbps: float, conc: int = 4) -> dict[str, Any]:
+    return {
+        "system": system,
+        "op": op,
+        "bytes": nbytes,
+        "iterations": 10,
+        "concurrency": conc,
+        "bw_avg_gbps": gbps,
+        "lat_p50_us": 1.0,
+        "lat_p99_us": 2.0,
+    }
+
+
+MIB = 1 << 20
+
+
+def test_sizes_and_defaults() -> None:
+    assert _sizes("64KiB,1MiB,4MiB") == [64 << 10, MIB, 4 * MIB]
+    a = parse_args([])
+    assert (a.iters, a.concurrency) == (1000, 4) and a.json.endswith(".json")
+    with pytest.raises(SystemExit, match="bad --sizes"):
+        _sizes("lots")
+    with pytest.raises(SystemExit, match="at least one positive size"):
+        _sizes(",")
+
+
+def test_ratios_use_like_for_like_shapes_and_best_anchor() -> None:
+    rows = [
+        row("gcache (TCP)", "read", MIB, 1.0),
+        row("gcache (TCP, batched)", "read", MIB, 1.5),
+        row("iperf3 loopback TCP", "bw", 0, 2.0),  # plain run
+        row("iperf3 loopback TCP", "bw", MIB, 2.5),  # per-size run: the better anchor
+        row("mooncake (TCP)", "read", MIB, 1.2),
+        row("redis (redis-py)", "read", MIB, 0.4),
+        row("gcache (TCP)", "read", 4 * MIB, 1.6),
+    ]
+    got = {(r["peer"], r["bytes"]): r for r in ratios(rows, [MIB, 4 * MIB])}
+    iperf = got[("iperf3 loopback TCP", MIB)]
+    assert iperf["peer_gbps"] == 2.5 and iperf["ratio"] == 0.4 and iperf["met"] is False
+    # iperf3 caps -l at 1 MiB: larger sizes compare against the plain run, untargeted.
+    big = got[("iperf3 loopback TCP", 4 * MIB)]
+    assert big["peer_gbps"] == 2.0 and big["target"] is None
+    moon = got[("mooncake (TCP)", MIB)]
+    assert moon["gcache"] == "gcache (TCP, batched)" and moon["ratio"] == 1.25 and moon["met"]
+    assert got[("redis (redis-py)", MIB)]["met"] is True  # 1.0 / 0.4 = 2.5 >= 2.0
+    assert got[("redis (redis-py)", MIB)]["ratio"] == 2.5
+
+
+def test_memcpy_target_applies_only_without_mooncake() -> None:
+    rows = [row("gcache (SHM)", "read", MIB, 3.0), row("memcpy (numpy)", "bw", MIB, 4.0)]
+    (r,) = ratios(rows, [MIB])
+    assert r["target"] == MEMCPY_TARGET and r["met"] is True
+    rows.append(row("mooncake (local memcpy)", "read", MIB, 8.0))
+    with_mc = {r["peer"]: r for r in ratios(rows, [MIB])}
+    assert with_mc["memcpy (numpy)"]["target"] is None
+
+
+def test_chart_and_human(tmp_path: Any) -> None:
+    assert human(MIB) == "1MiB" and human(64 << 10) == "64KiB" and human(1000) == "1000"
+    out = tmp_path / "c.png"
+    assert chart([row("gcache (TCP)", "read", MIB, 1.0), row("x", "bw", 0, 1.0)], str(out)) == ""
+    assert out.read_bytes()[:4] == b"\x89PNG"
