@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gcache import wire
@@ -26,6 +26,10 @@ _READ_AHEAD = 16 << 10
 SOCKET_BUFFER = 4 << 20
 
 Buffer = memoryview | bytes | bytearray
+
+
+def _recvmsg_into(sock: socket.socket) -> Callable[[list[memoryview]], int]:
+    return lambda views: sock.recvmsg_into(views)[0]
 
 
 class FrameStream:
@@ -135,6 +139,16 @@ class FrameStream:
 
     # ---- receiving ---------------------------------------------------------------
 
+    async def _recv(self, recv: Callable[[Any], int], into: Any) -> int:
+        """One receive syscall, waiting while the socket has nothing; 0 means EOF."""
+        while True:
+            try:
+                return recv(into)
+            except (BlockingIOError, InterruptedError):
+                await self._wait_readable()
+            except OSError as exc:
+                raise self._recv_error(exc) from exc
+
     def _buffered(self) -> int:
         return self._rend - self._rstart
 
@@ -151,13 +165,7 @@ class FrameStream:
             self._rstart, self._rend = 0, len(rest)
         sock, view = self.sock, memoryview(self._rbuf)
         while self._rend - self._rstart < need:
-            try:
-                n = sock.recv_into(view[self._rend :])
-            except (BlockingIOError, InterruptedError):
-                await self._wait_readable()
-                continue
-            except OSError as exc:
-                raise self._recv_error(exc) from exc
+            n = await self._recv(sock.recv_into, view[self._rend :])
             if n == 0:
                 if self._rend == self._rstart:
                     return False
@@ -189,13 +197,7 @@ class FrameStream:
         view = view[self._drain_into(view) :]
         sock = self.sock
         while view:
-            try:
-                n = sock.recv_into(view)
-            except (BlockingIOError, InterruptedError):
-                await self._wait_readable()
-                continue
-            except OSError as exc:
-                raise self._recv_error(exc) from exc
+            n = await self._recv(sock.recv_into, view)
             if n == 0:
                 raise ConnectionLost("peer closed the connection")
             view = view[n:]
@@ -215,13 +217,7 @@ class FrameStream:
                 pending[i] = pending[i][n:]
         sock = self.sock
         while i < len(pending):
-            try:
-                n = sock.recvmsg_into(pending[i : i + _IOV_BATCH])[0]
-            except (BlockingIOError, InterruptedError):
-                await self._wait_readable()
-                continue
-            except OSError as exc:
-                raise self._recv_error(exc) from exc
+            n = await self._recv(_recvmsg_into(sock), pending[i : i + _IOV_BATCH])
             if n == 0:
                 raise ConnectionLost("peer closed the connection")
             while n:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gcache import keys, wire
 from gcache.config import MetaConfig
-from gcache.layout import LayerSpec, Layout, LayoutSpec, preset
+from gcache.layout import Layout, preset
 from gcache.meta.core import MetaCore
 from gcache.meta.eviction import (
     UNIT_COMPUTE,
@@ -21,15 +21,10 @@ from gcache.meta.eviction import (
     make_policy,
 )
 from gcache.meta.records import LIVE, NamespaceRecord
+from tests.unit.test_meta_core import spec
 
 WALL = 1.7e9
 KB = 1 << 10
-
-
-def spec(block_size: int = 4, window: int = 8) -> LayoutSpec:
-    full = LayerSpec("full", kv_heads=1, k_head_dim=256, v_head_dim=256)
-    swa = LayerSpec("swa", kv_heads=1, k_head_dim=256, v_head_dim=256, window=window)
-    return LayoutSpec(block_size=block_size, dtype="float16", layers=(full, swa, full))
 
 
 def make(policy: str = "lru", capacity: int = 256 * KB, **cfg: object) -> tuple[MetaCore, bytes]:
