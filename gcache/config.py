@@ -119,7 +119,7 @@ class ClientConfig:
     meta: str = _doc("meta hot-path address host:port", default="127.0.0.1:7700")
     meta_grpc: str = _doc("meta gRPC address host:port", default="127.0.0.1:7701")
     timeout_s: float = _doc("per-operation timeout; a timeout is a miss", default=5.0)
-    layers_in_flight: int = _doc("get_layers: layer reads kept in flight", default=4)
+    layers_in_flight: int = _doc("get_layers: layer reads kept in flight", default=8)
     max_inflight_writes: int = _doc("put: object writes in flight per server", default=8)
     transport: str = _doc(
         "data path: auto (shared memory when the server is local), tcp, shm", default="auto"

@@ -120,7 +120,7 @@ def check_args(args: argparse.Namespace) -> list[int]:
 
 def client_config(args: argparse.Namespace, meta: str, meta_grpc: str) -> ClientConfig:
     return ClientConfig(
-        meta=meta, meta_grpc=meta_grpc, transport=args.transport, layers_in_flight=4, timeout_s=30.0
+        meta=meta, meta_grpc=meta_grpc, transport=args.transport, timeout_s=30.0
     )
 
 
