@@ -48,8 +48,8 @@ log = logging.getLogger("gcache.client")
 # go out as one message; past MAX_PENDING_RELEASES they go out at once.
 RELEASE_FLUSH_S = 0.002
 MAX_PENDING_RELEASES = 256
-# Shared-memory copies and checksums of at least this many bytes per layer run on
-# COPY_THREADS threads (numpy's copy and xxh3 over large buffers run without the GIL).
+# In get_layers, shared-memory copies and checksums of at least this many bytes per
+# layer run on COPY_THREADS threads (numpy's copy runs without the GIL).
 OFFLOAD_BYTES = 1 << 20
 COPY_THREADS = 2
 SPLIT_BYTES = 8 << 20  # and at least this many are split across the threads
@@ -507,9 +507,14 @@ class AsyncGCacheClient:
         bs = layout.block_size
         return first * bs, (match.blocks - first) * bs
 
-    async def fetch_layer(self, match: Match, layer: int, out: KVPair | None = None) -> LayerKV:
+    async def fetch_layer(
+        self, match: Match, layer: int, out: KVPair | None = None, *, offload: bool = False
+    ) -> LayerKV:
         """Read one layer of a match into ``out`` (or fresh arrays) and verify it.
-        Raises :class:`GCacheError` subclasses; the stream/``get`` turn them into misses."""
+        Raises :class:`GCacheError` subclasses; the stream/``get`` turn them into misses.
+        ``offload``: copy and verify a large shared-memory layer on the copy threads,
+        for a caller computing while layers arrive (``get_layers``); inline is cheaper
+        when nobody else runs meanwhile (``get``)."""
         ns = match.namespace
         layout = ns.layout
         spec = layout.spec.layers[layer]
@@ -559,7 +564,7 @@ class AsyncGCacheClient:
                 expiry = min(g.expiry_ms for g in grants)
                 spans = [(off, n) for _, off, n in ranges]
                 nbytes = sum(n for _, n in spans)
-                if nbytes >= OFFLOAD_BYTES:
+                if offload and nbytes >= OFFLOAD_BYTES:
                     cut = _halves(len(spans), nbytes)
                     await gather_or_cancel(
                         *(
@@ -584,11 +589,9 @@ class AsyncGCacheClient:
                 )
             )
         layer_bytes = k_arr.nbytes + v_arr.nbytes
-        if layer_bytes >= OFFLOAD_BYTES:
+        if offload and layer_bytes >= OFFLOAD_BYTES:
             cut = _halves(len(checks), layer_bytes)
-            ok = all(
-                await gather_or_cancel(*(self._offload(_verify, checks[a:b]) for a, b in cut))
-            )
+            ok = all(await gather_or_cancel(*(self._offload(_verify, checks[a:b]) for a, b in cut)))
         else:
             ok = _verify(checks)
         if not ok:
@@ -658,7 +661,7 @@ class LayerStream:
             if layer not in self._tasks:
                 out = None if self.out is None else self.out[layer]
                 self._tasks[layer] = asyncio.create_task(
-                    self.client.fetch_layer(self.match, layer, out)
+                    self.client.fetch_layer(self.match, layer, out, offload=True)
                 )
 
     def __aiter__(self) -> LayerStream:
