@@ -74,6 +74,66 @@ def _verify(checks: list[tuple[memoryview, memoryview, bytes]]) -> bool:
     return True
 
 
+Plan = tuple[
+    dict[int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]],
+    list[tuple[memoryview, memoryview, bytes]],
+]
+
+
+def _plan_layer(
+    match: Match,
+    g: int,
+    first_blk: int,
+    off: int,
+    kb: int,
+    vb: int,
+    li: int,
+    k_arr: np.ndarray,
+    v_arr: np.ndarray,
+) -> Plan:
+    """Per server: the grants, the ``(grant index, offset, length)`` ranges (K then V
+    of each block) and the destination views in the caller's arrays; and per block
+    the views and checksum to verify."""
+    per_server: dict[
+        int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]
+    ] = {}
+    checks: list[tuple[memoryview, memoryview, bytes]] = []
+    kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
+    objects = match.objects
+    for blk in range(first_blk, match.blocks):
+        loc = objects.get((blk, g))
+        if loc is None:
+            raise IntegrityError(f"match lacks object ({blk}, {g})")
+        grants, ranges, dest = per_server.setdefault(loc.server, ([], [], []))
+        gi = len(grants)
+        grants.append(loc.grant)
+        base = loc.grant.offset + off
+        ranges.append((gi, base, kb))
+        ranges.append((gi, base + kb, vb))
+        r = blk - first_blk
+        kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
+        dest += (kd, vd)
+        checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
+    return per_server, checks
+
+
+def _copy(
+    seg: MappedSegment, ranges: list[tuple[int, int, int]], dest: list[memoryview], expiry: int
+) -> int:
+    return seg.read_leased([(o, n) for _, o, n in ranges], dest, expiry)
+
+
+def _copy_verify(
+    seg: MappedSegment,
+    ranges: list[tuple[int, int, int]],
+    dest: list[memoryview],
+    checks: list[tuple[memoryview, memoryview, bytes]],
+    expiry: int,
+) -> bool:
+    _copy(seg, ranges, dest, expiry)
+    return _verify(checks)
+
+
 def _host_port(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host, int(port)
@@ -535,48 +595,44 @@ class AsyncGCacheClient:
             if arrays.is_torch(k_user) and k_arr.ctypes.data != k_user.data_ptr():
                 raise LayoutError(f"layer {layer} out: tensors must be contiguous CPU tensors")
         off, kb, vb = layout.layer_range(layer)
-        bs = layout.block_size
-        first_blk = first_tok // bs
-        per_server: dict[
-            int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]
-        ] = {}
-        checks: list[tuple[memoryview, memoryview, bytes]] = []
         li = layout.group_layers[g].index(layer)
-        kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
-        for blk in range(first_blk, match.blocks):
-            loc = match.objects.get((blk, g))
-            if loc is None:
-                raise IntegrityError(f"match lacks object ({blk}, {g})")
-            grants, ranges, dest = per_server.setdefault(loc.server, ([], [], []))
-            gi = len(grants)
-            grants.append(loc.grant)
-            base = loc.grant.offset + off
-            ranges.append((gi, base, kb))
-            ranges.append((gi, base + kb, vb))
-            r = blk - first_blk
-            kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
-            dest += (kd, vd)
-            checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
+        plan_args = (match, g, first_tok // layout.block_size, off, kb, vb, li, k_arr, v_arr)
+        layer_bytes = k_arr.nbytes + v_arr.nbytes
+        big = offload and layer_bytes >= OFFLOAD_BYTES
+        # A full layer is ~500 blocks: building its plan in Python takes ~1.5 ms, which
+        # on the event loop would hold up layers already fetched. Off the loop it goes.
+        per_server, checks = (
+            await self._offload(_plan_layer, *plan_args) if big else _plan_layer(*plan_args)
+        )
+        verified = False
         remote = {}
         for si, (grants, ranges, dest) in per_server.items():
             seg = self._mapped(match.servers[si])
-            if seg is not None:
-                expiry = min(g.expiry_ms for g in grants)
-                spans = [(off, n) for _, off, n in ranges]
-                nbytes = sum(n for _, n in spans)
-                if offload and nbytes >= OFFLOAD_BYTES:
-                    cut = _halves(len(spans), nbytes)
-                    await gather_or_cancel(
-                        *(
-                            self._offload(seg.read_leased, spans[a:b], dest[a:b], expiry)
-                            for a, b in cut
-                        )
-                    )
-                else:
-                    seg.read_leased(spans, dest, expiry)
-                self.counters["bytes_read_shm"] += nbytes
-            else:
+            if seg is None:
                 remote[si] = await self._server(match.servers[si])
+                continue
+            expiry = min(gr.expiry_ms for gr in grants)
+            nbytes = sum(r[2] for r in ranges)
+            if big and len(per_server) == 1:  # the usual local case: copy + verify per half
+                parts = _halves(len(checks), nbytes)
+                jobs = (
+                    self._offload(
+                        _copy_verify, seg, ranges[2 * a : 2 * b], dest[2 * a : 2 * b], checks[a:b],
+                        expiry,
+                    )
+                    for a, b in parts
+                )  # fmt: skip
+                if not all(await gather_or_cancel(*jobs)):
+                    raise IntegrityError(f"layer {layer}: checksum mismatch")
+                verified = True
+            elif big:
+                parts = _halves(len(ranges), nbytes)
+                await gather_or_cancel(
+                    *(self._offload(_copy, seg, ranges[a:b], dest[a:b], expiry) for a, b in parts)
+                )
+            else:
+                _copy(seg, ranges, dest, expiry)
+            self.counters["bytes_read_shm"] += nbytes
         if remote:
             await gather_or_cancel(
                 *(
@@ -588,14 +644,15 @@ class AsyncGCacheClient:
                     for si in remote
                 )
             )
-        layer_bytes = k_arr.nbytes + v_arr.nbytes
-        if offload and layer_bytes >= OFFLOAD_BYTES:
-            cut = _halves(len(checks), layer_bytes)
-            ok = all(await gather_or_cancel(*(self._offload(_verify, checks[a:b]) for a, b in cut)))
-        else:
-            ok = _verify(checks)
-        if not ok:
-            raise IntegrityError(f"layer {layer}: checksum mismatch")
+        if not verified:
+            if big:
+                parts = _halves(len(checks), layer_bytes)
+                jobs2 = (self._offload(_verify, checks[a:b]) for a, b in parts)
+                ok = all(await gather_or_cancel(*jobs2))
+            else:
+                ok = _verify(checks)
+            if not ok:
+                raise IntegrityError(f"layer {layer}: checksum mismatch")
         if self.as_torch and out is None:
             k_user, v_user = (
                 arrays.as_torch(k_arr, layout.dtype),
