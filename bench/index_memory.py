@@ -95,7 +95,7 @@ def main() -> None:
         {"metric": "put blocks/s (PutBegin+PutCommit)", "value": round(n / put_s)},
         {"metric": "leased lookup blocks/s", "value": round(looked / lookup_s)},
     ]
-    width = max(len(r["metric"]) for r in rows)
+    width = max(len(str(r["metric"])) for r in rows)
     for r in rows:
         print(f"{r['metric']:<{width}}  {r['value']}")
     if args.json:

@@ -114,7 +114,7 @@ def main() -> None:
                 ),
                 "wait_s": statistics.median(o.timings.get("wait_s", 0.0) for o in outs[t]),
             }
-        cold_s, cold_runs = float("nan"), []
+        cold_s, cold_runs = float("nan"), list[float]()
         if args.cold_repeat:
             print("cold prefill (this takes a while) ...", flush=True)
             cold_s, cold_runs = timed(lambda: model(ids, logits_to_keep=1), args.cold_repeat)
