@@ -74,10 +74,20 @@ def _verify(checks: list[tuple[memoryview, memoryview, bytes]]) -> bool:
     return True
 
 
-Plan = tuple[
-    dict[int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]],
-    list[tuple[memoryview, memoryview, bytes]],
-]
+class _ServerPlan:
+    """One server's share of a layer read: the grants, the ``(grant index, offset,
+    length)`` ranges (K then V of each block), the destination views in the caller's
+    arrays, and per block the views and checksum to verify."""
+
+    __slots__ = ("checks", "dest", "expiry", "grants", "nbytes", "ranges")
+
+    def __init__(self) -> None:
+        self.grants: list[wire.Grant] = []
+        self.ranges: list[tuple[int, int, int]] = []
+        self.dest: list[memoryview] = []
+        self.checks: list[tuple[memoryview, memoryview, bytes]] = []
+        self.expiry = 0  # the earliest grant expiry (unix ms)
+        self.nbytes = 0
 
 
 def _plan_layer(
@@ -90,48 +100,36 @@ def _plan_layer(
     li: int,
     k_arr: np.ndarray,
     v_arr: np.ndarray,
-) -> Plan:
-    """Per server: the grants, the ``(grant index, offset, length)`` ranges (K then V
-    of each block) and the destination views in the caller's arrays; and per block
-    the views and checksum to verify."""
-    per_server: dict[
-        int, tuple[list[wire.Grant], list[tuple[int, int, int]], list[memoryview]]
-    ] = {}
-    checks: list[tuple[memoryview, memoryview, bytes]] = []
+) -> dict[int, _ServerPlan]:
+    plans: dict[int, _ServerPlan] = {}
     kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
     objects = match.objects
     for blk in range(first_blk, match.blocks):
         loc = objects.get((blk, g))
         if loc is None:
             raise IntegrityError(f"match lacks object ({blk}, {g})")
-        grants, ranges, dest = per_server.setdefault(loc.server, ([], [], []))
-        gi = len(grants)
-        grants.append(loc.grant)
+        sp = plans.get(loc.server)
+        if sp is None:
+            sp = plans[loc.server] = _ServerPlan()
+        gi = len(sp.grants)
+        sp.grants.append(loc.grant)
         base = loc.grant.offset + off
-        ranges.append((gi, base, kb))
-        ranges.append((gi, base + kb, vb))
+        sp.ranges += ((gi, base, kb), (gi, base + kb, vb))
         r = blk - first_blk
         kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
-        dest += (kd, vd)
-        checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
-    return per_server, checks
+        sp.dest += (kd, vd)
+        sp.checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
+    for sp in plans.values():
+        sp.expiry = min(gr.expiry_ms for gr in sp.grants)
+        sp.nbytes = len(sp.checks) * (kb + vb)
+    return plans
 
 
-def _copy(
-    seg: MappedSegment, ranges: list[tuple[int, int, int]], dest: list[memoryview], expiry: int
-) -> int:
-    return seg.read_leased([(o, n) for _, o, n in ranges], dest, expiry)
-
-
-def _copy_verify(
-    seg: MappedSegment,
-    ranges: list[tuple[int, int, int]],
-    dest: list[memoryview],
-    checks: list[tuple[memoryview, memoryview, bytes]],
-    expiry: int,
-) -> bool:
-    _copy(seg, ranges, dest, expiry)
-    return _verify(checks)
+def _copy_verify(seg: MappedSegment, sp: _ServerPlan, a: int, b: int) -> bool:
+    """Copy blocks ``[a, b)`` of a local server's share under its lease, then verify them."""
+    spans = [(o, n) for _, o, n in sp.ranges[2 * a : 2 * b]]
+    seg.read_leased(spans, sp.dest[2 * a : 2 * b], sp.expiry)
+    return _verify(sp.checks[a:b])
 
 
 def _host_port(addr: str) -> tuple[str, int]:
@@ -601,54 +599,41 @@ class AsyncGCacheClient:
         big = offload and layer_bytes >= OFFLOAD_BYTES
         # A full layer is ~500 blocks: building its plan in Python takes ~1.5 ms, which
         # on the event loop would hold up layers already fetched. Off the loop it goes.
-        per_server, checks = (
-            await self._offload(_plan_layer, *plan_args) if big else _plan_layer(*plan_args)
-        )
-        verified = False
+        plans = await self._offload(_plan_layer, *plan_args) if big else _plan_layer(*plan_args)
         remote = {}
-        for si, (grants, ranges, dest) in per_server.items():
+        for si, sp in plans.items():
             seg = self._mapped(match.servers[si])
             if seg is None:
                 remote[si] = await self._server(match.servers[si])
                 continue
-            expiry = min(gr.expiry_ms for gr in grants)
-            nbytes = sum(r[2] for r in ranges)
-            if big and len(per_server) == 1:  # the usual local case: copy + verify per half
-                parts = _halves(len(checks), nbytes)
-                jobs = (
-                    self._offload(
-                        _copy_verify, seg, ranges[2 * a : 2 * b], dest[2 * a : 2 * b], checks[a:b],
-                        expiry,
+            if big:  # copy + verify, half of the blocks on each copy thread
+                parts = _halves(len(sp.checks), sp.nbytes)
+                ok = all(
+                    await gather_or_cancel(
+                        *(self._offload(_copy_verify, seg, sp, a, b) for a, b in parts)
                     )
-                    for a, b in parts
-                )  # fmt: skip
-                if not all(await gather_or_cancel(*jobs)):
-                    raise IntegrityError(f"layer {layer}: checksum mismatch")
-                verified = True
-            elif big:
-                parts = _halves(len(ranges), nbytes)
-                await gather_or_cancel(
-                    *(self._offload(_copy, seg, ranges[a:b], dest[a:b], expiry) for a, b in parts)
                 )
             else:
-                _copy(seg, ranges, dest, expiry)
-            self.counters["bytes_read_shm"] += nbytes
+                ok = _copy_verify(seg, sp, 0, len(sp.checks))
+            if not ok:
+                raise IntegrityError(f"layer {layer}: checksum mismatch")
+            self.counters["bytes_read_shm"] += sp.nbytes
         if remote:
             await gather_or_cancel(
                 *(
                     remote[si].call(
-                        wire.Read(*per_server[si][:2]),
-                        dest=per_server[si][2],
+                        wire.Read(plans[si].grants, plans[si].ranges),
+                        dest=plans[si].dest,
                         timeout=self.config.timeout_s,
                     )
                     for si in remote
                 )
             )
-        if not verified:
+            checks = [c for si in remote for c in plans[si].checks]
             if big:
                 parts = _halves(len(checks), layer_bytes)
-                jobs2 = (self._offload(_verify, checks[a:b]) for a, b in parts)
-                ok = all(await gather_or_cancel(*jobs2))
+                jobs = (self._offload(_verify, checks[a:b]) for a, b in parts)
+                ok = all(await gather_or_cancel(*jobs))
             else:
                 ok = _verify(checks)
             if not ok:

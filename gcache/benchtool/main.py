@@ -119,9 +119,7 @@ def check_args(args: argparse.Namespace) -> list[int]:
 
 
 def client_config(args: argparse.Namespace, meta: str, meta_grpc: str) -> ClientConfig:
-    return ClientConfig(
-        meta=meta, meta_grpc=meta_grpc, transport=args.transport, timeout_s=30.0
-    )
+    return ClientConfig(meta=meta, meta_grpc=meta_grpc, transport=args.transport, timeout_s=30.0)
 
 
 # ---- write / read in one or several processes --------------------------------------------

@@ -78,25 +78,22 @@ class MappedSegment:
     def write_granted(
         self, offset: int, length: int, expiry_ms: int, payload: Sequence[memoryview]
     ) -> int:
-        """``write`` under a write grant for ``[offset, +length)`` until ``expiry_ms``:
-        the checks the server makes on TCP. A write that outlives its grant can land
-        on bytes the meta already gave to another put; that put's checksums turn
-        them into a miss, never into wrong KV."""
+        """Write ``payload`` into ``[offset, +length)`` under a write grant that ends
+        at ``expiry_ms``, with the checks the server makes on TCP. A write that
+        outlives its grant can land on bytes the meta already gave to another put;
+        that put's checksums turn them into a miss, never into wrong KV."""
         if now_ms() >= expiry_ms:
             raise AccessDenied(E_ACCESS_DENIED, "grant expired")
         n = sum(v.nbytes for v in payload)
         if n != length:
             raise AccessDenied(E_OUT_OF_RANGE, f"payload {n} B for a grant of {length} B")
-        return self.write(offset, payload)
-
-    def write(self, offset: int, payload: Sequence[memoryview]) -> int:
+        self._check(offset, length)
         arr, pos = self._arr, offset
         for v in payload:
             n = v.nbytes
-            self._check(pos, n)
             np.copyto(arr[pos : pos + n], np.frombuffer(v, np.uint8))
             pos += n
-        return pos - offset
+        return length
 
     def close(self) -> None:
         try:
