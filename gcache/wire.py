@@ -36,6 +36,8 @@ T_PING: Final = 3
 T_WRITE: Final = 10
 T_READ: Final = 11
 T_READ_DATA: Final = 12
+T_SEAL: Final = 13
+T_SEALED: Final = 14
 T_PUT_BEGIN: Final = 20
 T_PUT_PLACED: Final = 21
 T_PUT_COMMIT: Final = 22
@@ -43,6 +45,7 @@ T_PUT_ABORT: Final = 23
 T_LOOKUP: Final = 24
 T_LOOKUP_RESULT: Final = 25
 T_RELEASE: Final = 26
+T_HELLO: Final = 27
 
 
 # A block key (gcache.keys.KEY_SIZE bytes), checked by the decoder in C: a lookup of
@@ -102,6 +105,20 @@ class ReadData(Msg):
     total: int
 
 
+class Seal(Msg):
+    """Consume write grants whose bytes the client wrote itself (shared memory):
+    the server marks each grant used, exactly as a ``WRITE`` does, and answers with
+    one receipt per grant (``Sealed``). A used grant cannot write again."""
+
+    grants: list[Grant]
+
+
+class Sealed(Msg):
+    """Receipts (``capability.receipt``) of the grants a ``Seal`` consumed, in order."""
+
+    receipts: list[int]
+
+
 # ---- meta hot path ----------------------------------------------------------------
 
 
@@ -111,6 +128,7 @@ class ServerAddr(Msg):
     port: int
     hostname: str
     shm_path: str
+    incarnation: int = 0  # new on every server start: a client's mapping of an older one is stale
 
 
 class PutBegin(Msg):
@@ -145,10 +163,13 @@ class PutPlaced(Msg):
 
 
 class PutCommit(Msg):
-    """``done``: (placement index, per-layer xxh3-64 checksums, 8 bytes each)."""
+    """``done``: (placement index, per-layer xxh3-64 checksums, 8 bytes each).
+    ``receipts``: for each ``done`` entry, in order, the receipt the server returned
+    when the placement's write grant was used (``WRITE`` reply value or ``Sealed``)."""
 
     put_id: int
     done: list[tuple[int, bytes]]
+    receipts: list[int] = []
 
 
 class PutAbort(Msg):
@@ -185,6 +206,14 @@ class Release(Msg):
     also: list[int] = msgspec.field(default_factory=list)  # more leases, same message
 
 
+class Hello(Msg):
+    """First frame of an authenticated hot-path connection: a tenant access token.
+    Answered with ``Ok``; without it a connection is anonymous (allowed only when
+    the meta runs without tenant tokens)."""
+
+    token: str
+
+
 BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_ERROR: Error,
     T_OK: Ok,
@@ -192,6 +221,8 @@ BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_WRITE: Write,
     T_READ: Read,
     T_READ_DATA: ReadData,
+    T_SEAL: Seal,
+    T_SEALED: Sealed,
     T_PUT_BEGIN: PutBegin,
     T_PUT_PLACED: PutPlaced,
     T_PUT_COMMIT: PutCommit,
@@ -199,6 +230,7 @@ BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_LOOKUP: Lookup,
     T_LOOKUP_RESULT: LookupResult,
     T_RELEASE: Release,
+    T_HELLO: Hello,
 }
 TYPE_OF: Final[dict[type[Msg], int]] = {v: k for k, v in BODY_TYPES.items()}
 _DECODERS: Final = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}

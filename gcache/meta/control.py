@@ -36,7 +36,12 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 grpc.StatusCode.INVALID_ARGUMENT, "secret must be at least 16 bytes"
             )
         addr = wire.ServerAddr(
-            request.server_id, request.host, request.port, request.hostname, request.shm_path
+            request.server_id,
+            request.host,
+            request.port,
+            request.hostname,
+            request.shm_path,
+            request.incarnation,
         )
         self.core.register_server(
             addr, bytes(request.secret), request.incarnation, request.capacity, time.monotonic()

@@ -19,13 +19,14 @@ from gcache.errors import (
     Refusal,
 )
 from gcache.meta.core import MetaCore
+from gcache.meta.session import Session
 from gcache.transport.stream import FrameStream
 
 log = logging.getLogger("gcache.meta.hotpath")
 
 
-def dispatch(core: MetaCore, msg_type: int, msg: Any) -> wire.Msg:
-    """Run one decoded request against the core; returns the reply body."""
+def dispatch(core: MetaCore, session: Session, msg_type: int, msg: Any) -> wire.Msg:
+    """Run one decoded request of ``session`` against the core; returns the reply body."""
     now, wall = time.monotonic(), time.time()
     if msg_type == wire.T_LOOKUP:
         for lease_id in msg.release:
@@ -57,6 +58,7 @@ class HotPathServer:
     async def serve_connection(self, sock: socket.socket) -> None:
         stream = FrameStream(sock)
         core = self.core
+        session = Session(peer=str(stream.peer))
         try:
             while True:
                 head = await stream.recv_head()
@@ -69,7 +71,7 @@ class HotPathServer:
                     await stream.send_msg(wire.Error(E_BAD_REQUEST, str(exc)), head.req_id)
                     continue
                 try:
-                    reply = dispatch(core, head.msg_type, msg)
+                    reply = dispatch(core, session, head.msg_type, msg)
                 except Refusal as r:
                     core.counters["refused"] += 1
                     reply = wire.Error(r.code, r.message)

@@ -30,6 +30,9 @@ SAMPLES: list[tuple[wire.Msg, int]] = [
     (wire.Read(grants=[GRANT, GRANT], ranges=[(0, 4096, 10), (1, 5000, 100)]), 11),
     (wire.Read(grants=[], ranges=[]), 11),
     (wire.ReadData(total=110), 12),
+    (wire.Seal(grants=[GRANT]), 13),
+    (wire.Sealed(receipts=[2**64 - 1, 0]), 14),
+    (wire.Hello(token="t0ken"), 27),
     (wire.PutBegin(namespace=b"n" * 16, keys=[b"k" * 16, b"j" * 16], groups=[1, 3]), 20),
     (
         wire.PutPlaced(
@@ -41,6 +44,7 @@ SAMPLES: list[tuple[wire.Msg, int]] = [
         21,
     ),
     (wire.PutCommit(put_id=7, done=[(0, b"\xaa" * 16), (3, b"")]), 22),
+    (wire.PutCommit(put_id=2**64 - 1, done=[(0, b"\xaa" * 16)], receipts=[2**64 - 1]), 22),
     (wire.PutAbort(put_id=7), 23),
     (wire.Lookup(namespace=b"n" * 16, keys=[b"k" * 16], lease=True), 24),
     (wire.Lookup(namespace=b"n" * 16, keys=[]), 24),
