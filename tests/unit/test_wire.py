@@ -167,7 +167,7 @@ def test_hand_packed_header_accepted() -> None:
         _hdr(version=2),
         _hdr(mtype=0),
         _hdr(mtype=4),
-        _hdr(mtype=13),
+        _hdr(mtype=99),
         _hdr(mtype=255),
         _hdr(body_len=wire.MAX_BODY + 1),
         _hdr(body_len=2**32 - 1),
