@@ -32,3 +32,15 @@ def check(secret: bytes, kind: bytes, offset: int, length: int, expiry_ms: int, 
     import hmac
 
     return hmac.compare_digest(mint(secret, kind, offset, length, expiry_ms), tag)
+
+
+KIND_DONE: Final = b"D"
+
+
+def receipt(secret: bytes, offset: int, length: int, expiry_ms: int) -> int:
+    """Proof that a server consumed the write grant ``(offset, length, expiry_ms)``:
+    the server returns it when a ``WRITE`` (or ``SEAL``) used the grant, the client
+    hands it to the meta in ``PutCommit``, and the meta, which knows ``secret``,
+    commits only placements whose grant was consumed (so no grant of a committed
+    put can write again). 64 bits, unsigned."""
+    return int.from_bytes(mint(secret, KIND_DONE, offset, length, expiry_ms), "big")
