@@ -6,6 +6,7 @@ translated at each boundary with ``raise ... from`` so callers catch one family:
 
     GCacheError
     ├── ConfigError            bad settings, flags, env vars or config file
+    ├── BindError              a daemon cannot listen on a configured address
     ├── LayoutError            a layout spec is invalid, or data does not match it
     ├── ProtocolError          bytes on the wire are malformed (bad magic, version,
     │   │                      length, body); the connection cannot continue
@@ -39,6 +40,10 @@ class GCacheError(Exception):
 
 class ConfigError(GCacheError):
     """Invalid configuration value, flag, env var or file."""
+
+
+class BindError(GCacheError):
+    """A listener cannot bind its configured address (in use, not on this host)."""
 
 
 class LayoutError(GCacheError):
