@@ -4,7 +4,9 @@ Payload bytes go straight between the socket and caller-owned memory
 (``sock_recv_into`` into memoryviews of the segment or of the caller's arrays,
 ``sendmsg`` with lists of views); only headers and bodies pass through reused
 buffers. OS errors are translated to :class:`ConnectionLost` (the peer broke it) or
-:class:`ClosedError` (we closed it).
+:class:`ClosedError` (we closed it). The byte bookkeeping (frame parsing, the
+receive buffer, send batches, scatter lists) is I/O-free, in
+:mod:`gcache.transport.framing`; this module only drives it with syscalls.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ from typing import Any
 
 from gcache import wire
 from gcache.errors import ClosedError, ConnectionLost, ProtocolError
+from gcache.transport.framing import (
+    IOV_BATCH,
+    READ_AHEAD,
+    Buffer,
+    FrameParser,
+    Scatter,
+    as_bytes_views,
+    send_some,
+)
 
-# Linux IOV_MAX is 1024; keep sendmsg batches well under it.
-_IOV_BATCH = 512
+__all__ = ["IOV_BATCH", "SOCKET_BUFFER", "BodyCheck", "Buffer", "FrameStream"]
+
 _DRAIN_CHUNK = 1 << 20
-# Read-ahead: one recv usually holds a header and a small body. Kept small because
-# payload bytes it catches are copied once more on their way to the caller's views.
-_READ_AHEAD = 16 << 10
 SOCKET_BUFFER = 4 << 20
 
-Buffer = memoryview | bytes | bytearray
+# Called with a frame's header and raw body before it is decoded (raise to refuse).
+BodyCheck = Callable[[wire.FrameHead, memoryview], None]
 
 
 def _recvmsg_into(sock: socket.socket) -> Callable[[list[memoryview]], int]:
@@ -48,16 +57,21 @@ class FrameStream:
         "_closed",
         "_encoder",
         "_loop",
-        "_rbuf",
+        "_parser",
         "_reading",
-        "_rend",
-        "_rstart",
         "_waiter",
+        "_wwaiter",
         "peer",
         "sock",
     )
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop | None = None,
+        max_body: int = wire.MAX_BODY,
+        read_ahead: int = READ_AHEAD,
+    ) -> None:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -70,11 +84,10 @@ class FrameStream:
                     pass
         self.sock = sock
         self._loop = loop or asyncio.get_running_loop()
-        self._rbuf = bytearray(_READ_AHEAD)
-        self._rstart = 0
-        self._rend = 0
+        self._parser = FrameParser(max_body, read_ahead)
         self._reading = False
         self._waiter: asyncio.Future[None] | None = None
+        self._wwaiter: asyncio.Future[None] | None = None
         self._encoder = wire.FrameEncoder()
         self._closed = False
         try:
@@ -98,13 +111,23 @@ class FrameStream:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet consumed."""
+        return len(self._parser.buffer)
+
+    @property
+    def buffer_capacity(self) -> int:
+        """Bytes the receive buffer holds allocated right now."""
+        return self._parser.buffer.capacity
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._stop_reading()
-            w = self._waiter
-            if w is not None and not w.done():
-                w.set_exception(ClosedError("stream closed"))
+            for w in (self._waiter, self._wwaiter):
+                if w is not None and not w.done():
+                    w.set_exception(ClosedError("stream closed"))
             self.sock.close()
 
     # ---- readiness -------------------------------------------------------------------
@@ -137,6 +160,28 @@ class FrameStream:
         finally:
             self._waiter = None
 
+    async def _wait_writable(self) -> None:
+        """Slow path of sending: the socket buffer is full."""
+        if self._closed:
+            raise ClosedError("stream closed")
+        fut = self._loop.create_future()
+        self._wwaiter = fut
+        fd = self.sock.fileno()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._loop.add_writer(fd, ready)
+        try:
+            await fut
+        finally:
+            self._wwaiter = None
+            try:
+                self._loop.remove_writer(fd)
+            except (OSError, ValueError, RuntimeError):
+                pass
+
     # ---- receiving ---------------------------------------------------------------
 
     async def _recv(self, recv: Callable[[Any], int], into: Any) -> int:
@@ -149,52 +194,24 @@ class FrameStream:
             except OSError as exc:
                 raise self._recv_error(exc) from exc
 
-    def _buffered(self) -> int:
-        return self._rend - self._rstart
-
-    async def _fill(self, need: int) -> bool:
-        """Read ahead until ``need`` bytes are buffered. False on EOF before any
-        byte of them arrived; ConnectionLost on EOF part-way."""
+    async def _recv_more(self) -> bool:
+        """One receive into the parser's buffer (it grows only with what arrives).
+        False on EOF."""
         if self._closed:
             raise ClosedError("stream closed")
-        if len(self._rbuf) - self._rstart < need:
-            rest = self._rbuf[self._rstart : self._rend]
-            if len(self._rbuf) < need:
-                self._rbuf = bytearray(max(need, 2 * len(self._rbuf)))
-            self._rbuf[: len(rest)] = rest
-            self._rstart, self._rend = 0, len(rest)
-        sock, view = self.sock, memoryview(self._rbuf)
-        while self._rend - self._rstart < need:
-            n = await self._recv(sock.recv_into, view[self._rend :])
-            if n == 0:
-                if self._rend == self._rstart:
-                    return False
-                raise ConnectionLost("peer closed the connection mid-frame")
-            self._rend += n
+        parser = self._parser
+        n = await self._recv(self.sock.recv_into, parser.space())
+        if n == 0:
+            return False
+        parser.commit(n)
         return True
-
-    def _take(self, n: int) -> memoryview:
-        """``n`` buffered bytes (valid until the next receive)."""
-        v = memoryview(self._rbuf)[self._rstart : self._rstart + n]
-        self._rstart += n
-        if self._rstart == self._rend:
-            self._rstart = self._rend = 0
-        return v
-
-    def _drain_into(self, view: memoryview) -> int:
-        """Copy what the read-ahead already holds into ``view``; returns bytes copied."""
-        n = min(self._buffered(), view.nbytes)
-        if n:
-            with self._take(n) as src:
-                view[:n] = src
-        return n
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` completely from the socket."""
         if self._closed:
             raise ClosedError("stream closed")
         view = view.cast("B") if view.format != "B" else view
-        view = view[self._drain_into(view) :]
+        view = view[self._parser.buffer.drain_into(view) :]
         sock = self.sock
         while view:
             n = await self._recv(sock.recv_into, view)
@@ -204,46 +221,46 @@ class FrameStream:
 
     async def recv_into_many(self, views: Sequence[memoryview]) -> None:
         """Fill every view in order with as few syscalls as the socket allows
-        (``recvmsg_into`` scatters one read across up to 512 views)."""
+        (``recvmsg_into`` scatters one read across up to ``IOV_BATCH`` views)."""
         if self._closed:
             raise ClosedError("stream closed")
-        pending = [v.cast("B") if v.format != "B" else v for v in views if v.nbytes]
-        i = 0
-        while i < len(pending) and self._buffered():
-            n = self._drain_into(pending[i])
-            if n == pending[i].nbytes:
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-        sock = self.sock
-        while i < len(pending):
-            n = await self._recv(_recvmsg_into(sock), pending[i : i + _IOV_BATCH])
+        scatter = Scatter(views)
+        scatter.fill_from(self._parser.buffer)
+        recv = _recvmsg_into(self.sock)
+        while not scatter.done:
+            n = await self._recv(recv, scatter.batch())
             if n == 0:
                 raise ConnectionLost("peer closed the connection")
-            while n:
-                size = pending[i].nbytes
-                if n >= size:
-                    n -= size
-                    i += 1
-                else:
-                    pending[i] = pending[i][n:]
-                    n = 0
+            scatter.advance(n)
 
     async def recv_head(self) -> wire.FrameHead | None:
-        """Next frame header, or ``None`` on a clean EOF between frames."""
-        try:
-            if not await self._fill(wire.HEADER_SIZE):
-                return None
-        except ConnectionLost as exc:
-            raise ProtocolError(f"truncated header ({self._buffered()} bytes): {exc}") from exc
-        with self._take(wire.HEADER_SIZE) as head:
-            return wire.parse_header(head)
+        """Next frame header, or ``None`` on a clean EOF between frames. A body
+        longer than this stream's ``max_body`` is a :class:`ProtocolError` here,
+        before any byte of it is buffered."""
+        parser = self._parser
+        head = parser.next_head()
+        while head is None:
+            if not await self._recv_more():
+                if not self.buffered:
+                    return None
+                raise ProtocolError(
+                    f"truncated header ({self.buffered} bytes): peer closed the connection"
+                )
+            head = parser.next_head()
+        return head
 
-    async def recv_body(self, head: wire.FrameHead) -> Any:
-        size = head.body_len
-        if not await self._fill(size):
-            raise ConnectionLost("peer closed the connection before the body")
-        with self._take(size) as body:
+    async def recv_body(self, head: wire.FrameHead, check: BodyCheck | None = None) -> Any:
+        """Receive and decode the body of ``head``; ``check`` sees the raw bytes
+        first (a whole frame was read, so a refusal there leaves the stream in step)."""
+        parser = self._parser
+        body = parser.next_body(head)
+        while body is None:
+            if not await self._recv_more():
+                raise ConnectionLost("peer closed the connection before the body")
+            body = parser.next_body(head)
+        with body:
+            if check is not None:
+                check(head, body)
             return wire.decode_body(head.msg_type, body)
 
     async def recv_frame(self) -> tuple[wire.FrameHead, Any] | None:
@@ -275,32 +292,18 @@ class FrameStream:
             head.release()
 
     async def send_views(self, views: Sequence[Buffer]) -> None:
+        """Send every view, ``IOV_BATCH`` per ``sendmsg``; when the socket is full,
+        wait for room and resume where it stopped, still without copying."""
         if self._closed:
             raise ClosedError("stream closed")
-        sock = self.sock
-        for start in range(0, len(views), _IOV_BATCH):
-            batch = [memoryview(v).cast("B") for v in views[start : start + _IOV_BATCH]]
-            total = sum(v.nbytes for v in batch)
-            try:
-                sent = sock.sendmsg(batch)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise self._send_error(exc) from exc
-            if sent == total:
-                continue
-            # Slow path: the socket buffer is full. Wait for room and continue
-            # from where sendmsg stopped, still without copying the payload.
-            for v in batch:
-                if sent >= v.nbytes:
-                    sent -= v.nbytes
-                    continue
-                rest = v[sent:]
-                sent = 0
-                try:
-                    await self._loop.sock_sendall(sock, rest)
-                except OSError as exc:
-                    raise self._send_error(exc) from exc
+        sendmsg = self.sock.sendmsg
+        try:
+            rest = send_some(sendmsg, as_bytes_views(views))
+            while rest:
+                await self._wait_writable()
+                rest = send_some(sendmsg, rest)
+        except OSError as exc:
+            raise self._send_error(exc) from exc
 
     def _recv_error(self, exc: OSError) -> Exception:
         if self._closed:
