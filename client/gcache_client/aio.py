@@ -427,7 +427,9 @@ class AsyncGCacheClient:
             return result
         sem = asyncio.Semaphore(self.config.max_inflight_writes * max(1, len(placed.servers)))
 
-        async def write_one(pi: int, p: wire.Placement) -> tuple[int, bytes] | None:
+        async def write_one(pi: int, p: wire.Placement) -> tuple[int, bytes, int | None] | None:
+            """Write one object; ``(placement, sums, receipt)``, where the receipt of
+            a shared-memory copy is ``None`` until its server seals the grant."""
             if not 0 <= p.block < nblocks or any(
                 p.block * bs < views[layer][2] for layer in layout.group_layers[p.group]
             ):
@@ -441,20 +443,30 @@ class AsyncGCacheClient:
                     if seg is not None:
                         g = p.grant
                         seg.write_granted(g.offset, g.length, g.expiry_ms, payload)
-                        return pi, sums
+                        return pi, sums, None
                     conn = await self._server(addr)
-                    await conn.call(wire.Write(p.grant), payload, timeout=self.config.timeout_s)
+                    reply: wire.Ok = await conn.call(
+                        wire.Write(p.grant), payload, timeout=self.config.timeout_s
+                    )
                 except GCacheError as exc:
                     log.warning(
                         "put: write to %s failed: %s", placed.servers[p.server].server_id, exc
                     )
                     return None
-            return pi, sums
+            return pi, sums, reply.value
 
         done = await asyncio.gather(*(write_one(i, p) for i, p in enumerate(placed.placements)))
-        ok = [d for d in done if d is not None]
+        written = [d for d in done if d is not None]
+        sealed = await self._seal(placed, [d[0] for d in written if d[2] is None])
+        ok: list[tuple[int, bytes]] = []
+        receipts: list[int] = []
+        for pi, sums, rc in written:
+            rc = sealed.get(pi) if rc is None else rc
+            if rc is not None:
+                ok.append((pi, sums))
+                receipts.append(rc)
         try:
-            await self._meta_call(wire.PutCommit(placed.put_id, ok))
+            await self._meta_call(wire.PutCommit(placed.put_id, ok, receipts))
         except GCacheError as exc:
             log.warning("put: PutCommit failed: %s", exc)
             result.error = str(exc)
@@ -466,6 +478,41 @@ class AsyncGCacheClient:
         self.counters["objects_put"] += result.stored
         self.counters["bytes_put"] += result.bytes_written
         return result
+
+    async def _seal(self, placed: wire.PutPlaced, shm_done: list[int]) -> dict[int, int]:
+        """One ``SEAL`` per server for the objects this client copied into its
+        segment itself: the server consumes their grants (as a ``WRITE`` would) and
+        returns receipts. Placement index -> receipt; a refused or failed seal
+        leaves its objects out (the put stores fewer, the meta reclaims them)."""
+        by_server: dict[int, list[int]] = {}
+        for pi in shm_done:
+            by_server.setdefault(placed.placements[pi].server, []).append(pi)
+
+        async def seal_one(si: int, pis: list[int]) -> dict[int, int]:
+            addr = placed.servers[si]
+            try:
+                conn = await self._server(addr)
+                reply: wire.Sealed = await conn.call(
+                    wire.Seal([placed.placements[pi].grant for pi in pis]),
+                    timeout=self.config.timeout_s,
+                )
+            except GCacheError as exc:
+                log.warning("put: seal on %s failed: %s", addr.server_id, exc)
+                return {}
+            if len(reply.receipts) != len(pis):
+                log.warning(
+                    "put: seal on %s: %d receipts for %d grants",
+                    addr.server_id,
+                    len(reply.receipts),
+                    len(pis),
+                )
+                return {}
+            return dict(zip(pis, reply.receipts, strict=True))
+
+        out: dict[int, int] = {}
+        for part in await asyncio.gather(*(seal_one(si, p) for si, p in by_server.items())):
+            out.update(part)
+        return out
 
     @staticmethod
     def _object_views(

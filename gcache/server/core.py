@@ -1,35 +1,62 @@
 """The storage daemon's decision logic, without I/O: which segment bytes a WRITE
-may fill and which a READ may return. The asyncio layer (:mod:`.dataplane`) only
-moves bytes to and from the views this returns."""
+may fill and which a READ may return. The asyncio layer (:mod:`gcache.server.daemon`)
+only moves bytes to and from the views this returns.
+
+Write grants are one-shot: the first ``WRITE`` (or ``SEAL``, for bytes a
+shared-memory client copied itself) that presents a grant consumes it, and the
+server remembers its tag until the grant expires, so a replay is refused. The
+table of used grants is bounded; when it is full of unexpired grants, new writes
+are refused (never forgotten: forgetting would re-open replays). A consumed grant
+earns a receipt (:func:`gcache.capability.receipt`) that the client hands to the
+meta with ``PutCommit``."""
 
 from __future__ import annotations
 
+import heapq
 from typing import Final
 
 from gcache import capability, wire
-from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_OUT_OF_RANGE, Refusal
+from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_NO_SPACE, E_OUT_OF_RANGE, Refusal
 from gcache.storage.segment import Segment
 
 MAX_READ_RANGES: Final = 1 << 16
 _VERIFIED_MAX: Final = 1 << 16
+# Used write grants remembered until they expire. A grant lives at most the meta's
+# put timeout, so this bounds the writes a server accepts per put timeout.
+MAX_USED_GRANTS: Final = 1 << 20
+MAX_SEAL_GRANTS: Final = 1 << 16
 
 
 class DataPlaneCore:
     __slots__ = (
+        "_expiries",
+        "_used",
         "_verified",
         "bytes_read",
+        "bytes_sealed",
         "bytes_written",
         "freed_bytes",
+        "max_used",
         "reads",
         "refused",
+        "replays",
+        "seals",
         "secret",
         "segment",
         "writes",
     )
 
-    def __init__(self, segment: Segment, secret: bytes) -> None:
+    def __init__(
+        self, segment: Segment, secret: bytes, max_used_grants: int = MAX_USED_GRANTS
+    ) -> None:
         self.segment = segment
         self.secret = secret
+        self.max_used = max_used_grants
+        # Consumed write grants: tag -> expiry (ms), with a min-heap of expiries to
+        # forget them once they can no longer pass the expiry check anyway.
+        self._used: dict[bytes, int] = {}
+        self._expiries: list[tuple[int, bytes]] = []
+        self.seals = self.bytes_sealed = self.replays = 0
         # Tags already checked: a lease's grants are presented once per layer, so
         # only the first READ of a lease pays for the MACs.
         self._verified: dict[bytes, tuple[bytes, int, int, int]] = {}
@@ -52,9 +79,39 @@ class DataPlaneCore:
             self.secret, kind, grant.offset, grant.length, grant.expiry_ms, grant.tag
         ):
             raise Refusal(E_ACCESS_DENIED, "range not covered by a valid grant")
+        if kind != capability.KIND_READ:
+            return  # write grants are one-shot: nothing to gain from caching them
         if len(self._verified) >= _VERIFIED_MAX:
             self._verified.clear()
         self._verified[grant.tag] = (kind, grant.offset, grant.length, grant.expiry_ms)
+
+    def _prune(self, now_ms: int) -> None:
+        heap, used = self._expiries, self._used
+        while heap and heap[0][0] <= now_ms:
+            _, tag = heapq.heappop(heap)
+            used.pop(tag, None)
+
+    def _check_unused(self, grant: wire.Grant, now_ms: int, extra: int = 0) -> None:
+        """Refuse a write grant already consumed, or any new one while the table of
+        used grants is full (``extra``: grants of the same request taken before)."""
+        if grant.tag in self._used:
+            self.replays += 1
+            raise Refusal(E_ACCESS_DENIED, "write grant already used (a grant writes once)")
+        self._prune(now_ms)
+        if len(self._used) + extra >= self.max_used:
+            raise Refusal(
+                E_NO_SPACE,
+                f"server remembers {self.max_used} unexpired used write grants; "
+                "refusing new writes until some expire",
+            )
+
+    def _consume(self, grant: wire.Grant) -> None:
+        self._used[grant.tag] = grant.expiry_ms
+        heapq.heappush(self._expiries, (grant.expiry_ms, grant.tag))
+
+    def receipt(self, grant: wire.Grant) -> int:
+        """The receipt of a consumed write grant (``WRITE``'s ``Ok`` value)."""
+        return capability.receipt(self.secret, grant.offset, grant.length, grant.expiry_ms)
 
     def write_target(self, msg: wire.Write, payload_len: int, now_ms: int) -> memoryview:
         """The segment view a WRITE's payload goes into, or :class:`Refusal`."""
@@ -66,12 +123,43 @@ class DataPlaneCore:
                     f"payload of {payload_len} bytes does not match the granted {g.length} bytes",
                 )
             self._check_grant(capability.KIND_WRITE, g, now_ms)
+            self._check_unused(g, now_ms)
         except Refusal:
             self.refused += 1
             raise
+        self._consume(g)
         self.writes += 1
         self.bytes_written += payload_len
         return self.segment.view[g.offset : g.offset + g.length]
+
+    def seal(self, msg: wire.Seal, now_ms: int) -> list[int]:
+        """Consume the write grants of bytes a shared-memory client copied itself,
+        all or none: one invalid, expired or already used grant refuses the whole
+        ``SEAL``. Returns one receipt per grant, in order; the bytes count as writes."""
+        grants = msg.grants
+        try:
+            if len(grants) > MAX_SEAL_GRANTS:
+                raise Refusal(E_BAD_REQUEST, f"more than {MAX_SEAL_GRANTS} grants in one SEAL")
+            tags: set[bytes] = set()
+            for i, g in enumerate(grants):
+                self._check_grant(capability.KIND_WRITE, g, now_ms)
+                self._check_unused(g, now_ms, i)
+                if g.tag in tags:
+                    self.replays += 1
+                    raise Refusal(E_ACCESS_DENIED, "write grant sealed twice in one SEAL")
+                tags.add(g.tag)
+        except Refusal:
+            self.refused += 1
+            raise
+        nbytes = 0
+        for g in grants:
+            self._consume(g)
+            nbytes += g.length
+        self.seals += 1
+        self.writes += len(grants)
+        self.bytes_written += nbytes
+        self.bytes_sealed += nbytes
+        return [self.receipt(g) for g in grants]
 
     def read_views(self, msg: wire.Read, now_ms: int) -> tuple[list[memoryview], int]:
         """The segment views a READ returns, in order, and their total size."""
@@ -119,6 +207,10 @@ class DataPlaneCore:
             "write_bytes": self.bytes_written,
             "refused": self.refused,
             "freed_bytes": self.freed_bytes,
+            "seals": self.seals,
+            "sealed_bytes": self.bytes_sealed,
+            "replays_refused": self.replays,
+            "used_grants": len(self._used),
         }
 
     def __repr__(self) -> str:

@@ -18,6 +18,7 @@ from gcache import capability, wire
 from gcache.errors import (
     E_ACCESS_DENIED,
     E_BAD_REQUEST,
+    E_NO_SPACE,
     E_OUT_OF_RANGE,
     GCacheError,
     Refusal,
@@ -356,6 +357,10 @@ def test_refusal_counters(core: DataPlaneCore) -> None:
         "write_bytes": 10,
         "refused": 5,
         "freed_bytes": 0,
+        "seals": 0,
+        "sealed_bytes": 0,
+        "replays_refused": 0,
+        "used_grants": 1,
     }
 
 
@@ -414,3 +419,99 @@ def test_range_rule(
             refused(exc, code)
     finally:
         seg.close()
+
+
+# ---- one-shot write grants, receipts, SEAL ------------------------------------------
+
+
+def test_replayed_write_grant_is_refused(core: DataPlaneCore) -> None:
+    g = wgrant(4096, 16)
+    write(core, g, b"a" * 16)
+    with pytest.raises(Refusal) as exc:
+        core.write_target(wire.Write(g), 16, NOW + 1)
+    refused(exc, E_ACCESS_DENIED)
+    assert "already used" in exc.value.message
+    assert read(core, wire.Read([rgrant(4096, 16)], [(0, 4096, 16)])) == b"a" * 16
+    assert core.stats()["writes"] == 1 and core.stats()["replays_refused"] == 1
+
+
+def test_write_receipt_verifies_with_the_secret(core: DataPlaneCore) -> None:
+    g = wgrant(8192, 32)
+    write(core, g, b"r" * 32)
+    r = core.receipt(g)
+    assert r == capability.receipt(SECRET, 8192, 32, LATER)
+    assert 0 <= r < 1 << 64
+    assert r != capability.receipt(SECRET, 8192, 32, LATER + 1)
+    assert r != capability.receipt(b"t" * 16, 8192, 32, LATER)
+
+
+def test_seal_consumes_grants_and_returns_receipts(core: DataPlaneCore) -> None:
+    a, b = wgrant(0, 100), wgrant(4096, 200)
+    receipts = core.seal(wire.Seal([a, b]), NOW)
+    assert receipts == [
+        capability.receipt(SECRET, 0, 100, LATER),
+        capability.receipt(SECRET, 4096, 200, LATER),
+    ]
+    st = core.stats()
+    assert st["writes"] == 2 and st["write_bytes"] == 300 and st["sealed_bytes"] == 300
+    assert st["seals"] == 1
+    # SEAL then WRITE with the same grant: refused; SEAL again: refused.
+    with pytest.raises(Refusal) as exc:
+        core.write_target(wire.Write(a), 100, NOW)
+    refused(exc, E_ACCESS_DENIED)
+    with pytest.raises(Refusal) as exc:
+        core.seal(wire.Seal([b]), NOW)
+    refused(exc, E_ACCESS_DENIED)
+
+
+def test_write_then_seal_refused(core: DataPlaneCore) -> None:
+    g = wgrant(0, 8)
+    write(core, g, b"x" * 8)
+    with pytest.raises(Refusal) as exc:
+        core.seal(wire.Seal([g]), NOW)
+    refused(exc, E_ACCESS_DENIED)
+
+
+def test_seal_is_all_or_nothing(core: DataPlaneCore) -> None:
+    good, used = wgrant(0, 8), wgrant(4096, 8)
+    write(core, used, b"u" * 8)
+    for bad in (
+        [good, used],  # one already used
+        [good, good],  # the same grant twice
+        [good, rgrant(8192, 8)],  # a read grant
+        [good, wgrant(8192, 8, NOW)],  # expired
+        [good, wire.Grant(8192, 8, LATER, b"\0" * 8)],  # forged
+    ):
+        with pytest.raises(Refusal):
+            core.seal(wire.Seal(bad), NOW)
+    # none of the refused SEALs consumed ``good``
+    assert core.seal(wire.Seal([good]), NOW) == [core.receipt(good)]
+
+
+def test_used_grant_table_is_bounded_and_refuses_when_full(seg: Segment) -> None:
+    core = DataPlaneCore(seg, SECRET, max_used_grants=3)
+    for i in range(3):
+        write(core, wgrant(i * 4096, 8, LATER + i), b"z" * 8)
+    with pytest.raises(Refusal) as exc:
+        core.write_target(wire.Write(wgrant(5 * 4096, 8)), 8, NOW)
+    refused(exc, E_NO_SPACE)
+    with pytest.raises(Refusal) as exc:
+        core.seal(wire.Seal([wgrant(6 * 4096, 8)]), NOW)
+    refused(exc, E_NO_SPACE)
+    # The used grants are still remembered (a replay is refused, not forgotten).
+    with pytest.raises(Refusal) as exc:
+        core.write_target(wire.Write(wgrant(0, 8, LATER)), 8, NOW)
+    refused(exc, E_ACCESS_DENIED)
+    # Once the first grant has expired it is forgotten, which frees a slot; it
+    # cannot be replayed since an expired grant fails the expiry check.
+    write(core, wgrant(7 * 4096, 8, LATER + 10), b"n" * 8, now=LATER)
+    assert core.stats()["used_grants"] == 3
+    with pytest.raises(Refusal) as exc:
+        core.write_target(wire.Write(wgrant(0, 8, LATER)), 8, LATER)
+    refused(exc, E_ACCESS_DENIED)
+    # A SEAL that would overflow the table is refused whole.
+    with pytest.raises(Refusal) as exc:
+        core.seal(
+            wire.Seal([wgrant(8 * 4096, 8, LATER + 10), wgrant(9 * 4096, 8, LATER + 10)]), LATER + 1
+        )
+    refused(exc, E_NO_SPACE)
