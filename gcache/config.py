@@ -11,34 +11,48 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from gcache.errors import ConfigError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)(b?)|(b))?\s*$", re.IGNORECASE)
+_PREFIXES = "kmgtp"
+SIZE_RULE = (
+    "sizes: a number with an optional unit K, M, G, T or P; a bare letter or one with "
+    "'i' is binary (1M = 1MiB = 2**20 bytes), a letter with 'B' and no 'i' is decimal "
+    "(1MB = 10**6 bytes), as dd reads them; case does not matter"
+)
 
 
 def parse_size(text: str | int) -> int:
-    """``"64MiB"`` -> 67108864, ``"1GB"`` -> 10**9, ``4096`` -> 4096."""
+    """Bytes in ``text``: ``"64M"`` and ``"64MiB"`` -> 67108864, ``"1GB"`` -> 10**9.
+
+    One rule (dd's): K, M, G, T, P alone or with ``i`` (``Ki``, ``KiB``) are powers
+    of 1024; with ``B`` and no ``i`` (``KB``, ``GB``) powers of 1000. A fraction of
+    a byte is dropped (``"1.5K"`` -> 1536).
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise ConfigError(f"not a size: {text!r} (examples: 4096, 64M, 64MiB, 2GB)")
     if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"not a size: {text!r} (a size is >= 0)")
         return text
     m = _SIZE.match(text)
     if not m:
-        raise ConfigError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
-    digits, unit = m.group(1), (m.group(2) or "").lower()
-    if "i" in unit:
-        mult = 1 << (10 * "kmgt".index(unit[0]) + 10)
-    else:
-        mult = _UNITS[unit[:1]]
-    if "." not in digits:
-        return int(digits) * mult  # exact, even past 2**53
-    return int(float(digits) * mult)
+        raise ConfigError(f"not a size: {text!r} (examples: 4096, 64M, 64MiB, 2GB)")
+    digits, prefix, binary, b = m.group(1), (m.group(2) or "").lower(), m.group(3), m.group(4)
+    mult = 1
+    if prefix:
+        power = _PREFIXES.index(prefix) + 1
+        mult = 1000**power if b and not binary else 1024**power
+    return int(Decimal(digits) * mult)  # exact, even past 2**53
 
 
 # Capabilities expire this long before the meta reuses their memory, so a clock
@@ -46,8 +60,52 @@ def parse_size(text: str | int) -> int:
 GRANT_MARGIN_S = 1.0
 
 
-def _doc(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
+def _doc(text: str, *, zero_ok: bool = False, **kw: Any) -> Any:
+    """A field with its ``--help`` text. ``zero_ok``: a ``*_s`` duration may be 0
+    (meaning off); otherwise durations must be > 0."""
+    return field(metadata={"help": text, "zero_ok": zero_ok}, **kw)
+
+
+# Rules every field obeys by its name and type, so a field added later is checked
+# too (each check() calls _check_fields first):
+#   every float      finite: nan and inf are refused
+#   *_s              seconds, > 0 (>= 0 where the field says zero_ok)
+#   port, *_port     0..65535, 0 = any free port; those in _PORT_OFF also -1 = off
+#   *_watermark      a fraction in (0, 1]
+_PORT_OFF = frozenset({"metrics_port"})
+
+
+def _where(cfg: Any, name: str) -> str:
+    return f"{_SECTIONS[type(cfg)]}.{name}"
+
+
+def _check_fields(cfg: Any) -> None:
+    for f in dataclasses.fields(cfg):
+        name, value, where = f.name, getattr(cfg, f.name), _where(cfg, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        if name.endswith("_s"):
+            if f.metadata.get("zero_ok") and value < 0:
+                raise ConfigError(f"{where} must be >= 0 seconds (0: off), got {value!r}")
+            if not f.metadata.get("zero_ok") and value <= 0:
+                raise ConfigError(f"{where} must be > 0 seconds, got {value!r}")
+        if name == "port" or name.endswith("_port"):
+            off = name in _PORT_OFF
+            if not (-1 if off else 0) <= value <= 65535:
+                raise ConfigError(
+                    f"{where} must be a port in 1..65535 (0: any free"
+                    f"{', -1: off' if off else ''}), got {value!r}"
+                )
+        if name.endswith("_watermark") and not 0 < value <= 1:
+            raise ConfigError(f"{where} must be a fraction in (0, 1], got {value!r}")
+
+
+def _check_hostport(where: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{where} must be host:port with a port in 1..65535, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -71,21 +129,47 @@ class MetaConfig:
     max_keys_per_request: int = _doc("largest batch a request may carry", default=1 << 17)
     metrics_port: int = _doc("Prometheus /metrics HTTP port; -1 disables, 0 any free", default=7702)
     ready_file: str = _doc("write 'host port grpc_port metrics_port' here when up", default="")
+    # -- auth (gcache/auth.py) --
+    cluster_token_file: str = _doc(
+        "file holding the cluster token servers must present (else $GCACHE_CLUSTER_TOKEN; "
+        "neither: no control-plane authentication)",
+        default="",
+    )
+    tenants_file: str = _doc(
+        "TOML/JSON file of client access tokens: token -> name, namespaces (cache_salt "
+        "prefixes), quota, admin; empty: clients are not authenticated",
+        default="",
+    )
+    tls_cert: str = _doc("PEM certificate of the gRPC port (TLS on when set)", default="")
+    tls_key: str = _doc("PEM private key of tls_cert", default="")
 
     def check(self) -> None:
-        if not 0 < self.low_watermark < self.high_watermark <= 1.0:
-            raise ConfigError("need 0 < low_watermark < high_watermark <= 1")
-        if self.eviction_policy not in ("lru", "cost"):
-            raise ConfigError(f"unknown eviction policy {self.eviction_policy!r}")
-        if self.checkpoint_interval < 0:
-            raise ConfigError("checkpoint_interval must be >= 0")
-        if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
-            raise ConfigError("timeouts must be positive")
-        if min(self.lease_ttl_s, self.put_timeout_s) <= GRANT_MARGIN_S:
+        _check_fields(self)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together")
+        if not self.low_watermark < self.high_watermark:
             raise ConfigError(
-                f"lease_ttl_s and put_timeout_s must exceed {GRANT_MARGIN_S} s: capabilities "
-                "end that long before the lease or put does"
+                f"meta.low_watermark ({self.low_watermark}) must be below meta.high_watermark "
+                f"({self.high_watermark}): need 0 < low_watermark < high_watermark <= 1"
             )
+        if self.eviction_policy not in ("lru", "cost"):
+            raise ConfigError(
+                f"meta.eviction_policy must be lru or cost, got {self.eviction_policy!r}"
+            )
+        if self.checkpoint_interval < 0:
+            raise ConfigError(
+                f"meta.checkpoint_interval must be >= 0 (0: off), got {self.checkpoint_interval}"
+            )
+        if self.max_keys_per_request < 1:
+            raise ConfigError(
+                f"meta.max_keys_per_request must be >= 1, got {self.max_keys_per_request}"
+            )
+        for name in ("lease_ttl_s", "put_timeout_s"):
+            if getattr(self, name) <= GRANT_MARGIN_S:
+                raise ConfigError(
+                    f"meta.{name} must exceed {GRANT_MARGIN_S} s (capabilities end that long "
+                    f"before the lease or put does), got {getattr(self, name)!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -102,16 +186,26 @@ class ServerConfig:
         default=True,
     )
     ready_file: str = _doc("write 'host port' here once registered", default="")
+    # -- auth (gcache/auth.py) --
+    cluster_token_file: str = _doc(
+        "file holding the cluster token sent to the meta (else $GCACHE_CLUSTER_TOKEN)",
+        default="",
+    )
+    tls_ca: str = _doc("PEM CA certificate of the meta's gRPC port (TLS on when set)", default="")
 
     @property
     def capacity_bytes(self) -> int:
         return parse_size(self.capacity)
 
     def check(self) -> None:
-        if self.capacity_bytes < 1 << 20:
-            raise ConfigError("capacity must be at least 1MiB")
-        if ":" not in self.meta:
-            raise ConfigError(f"meta must be host:port, got {self.meta!r}")
+        _check_fields(self)
+        try:
+            capacity = self.capacity_bytes
+        except ConfigError as exc:
+            raise ConfigError(f"server.capacity: {exc}") from exc
+        if capacity < 1 << 20:
+            raise ConfigError(f"server.capacity must be at least 1MiB, got {self.capacity!r}")
+        _check_hostport("server.meta", self.meta)
 
 
 @dataclass(frozen=True)
@@ -128,12 +222,28 @@ class ClientConfig:
         "shm: map a server's whole segment at first use (copies take no page faults)",
         default=True,
     )
+    # -- auth (gcache/auth.py) --
+    token: str = _doc(
+        "access token sent to the meta (env GCACHE_CLIENT_TOKEN; never a flag)",
+        default="",
+        repr=False,
+    )
+    token_file: str = _doc("file holding the access token", default="")
+    tls_ca: str = _doc("PEM CA certificate of the meta's gRPC port (TLS on when set)", default="")
 
     def check(self) -> None:
-        if self.layers_in_flight < 1 or self.max_inflight_writes < 1:
-            raise ConfigError("in-flight limits must be >= 1")
+        _check_fields(self)
+        for name in ("layers_in_flight", "max_inflight_writes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"client.{name} must be >= 1, got {getattr(self, name)}")
         if self.transport not in ("auto", "tcp", "shm"):
-            raise ConfigError(f"transport must be auto, tcp or shm, got {self.transport!r}")
+            raise ConfigError(
+                f"client.transport must be auto, tcp or shm, got {self.transport!r}"
+            )
+        _check_hostport("client.meta", self.meta)
+        _check_hostport("client.meta_grpc", self.meta_grpc)
+        if self.token and self.token_file:
+            raise ConfigError("set either token or token_file, not both")
 
 
 C = TypeVar("C", MetaConfig, ServerConfig, ClientConfig)
@@ -158,7 +268,8 @@ def _convert(cls: type, name: str, raw: Any) -> Any:
         if text in _TRUE or text in _FALSE:
             return text in _TRUE
         raise ConfigError(f"{where}: expected a boolean (true/false), got {raw!r}")
-    if isinstance(raw, bool) or (kind != "str" and not isinstance(raw, (str, int, float))):
+    scalars = (str, int) if kind == "str" else (str, int, float)
+    if isinstance(raw, bool) or not isinstance(raw, scalars):
         raise ConfigError(f"{where}: expected {kind}, got {raw!r}")
     if kind == "int" and isinstance(raw, float) and not raw.is_integer():
         raise ConfigError(f"{where}: expected an integer, got {raw!r}")
@@ -166,6 +277,32 @@ def _convert(cls: type, name: str, raw: Any) -> Any:
         return {"int": int, "float": float, "str": str}[kind](raw)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: expected {kind}, got {raw!r}") from exc
+
+
+def _read_file(file: str) -> dict[type, dict[str, Any]]:
+    """Every section of a config file, each key checked against its class: an
+    unknown section (``[metaa]``), a section that is not a table or an unknown
+    key anywhere in the file is refused, whichever daemon reads the file."""
+    try:
+        with open(file, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc}") from exc
+    by_name = {name: cls for cls, name in _SECTIONS.items()}
+    known = ", ".join(f"[{name}]" for name in by_name)
+    out: dict[type, dict[str, Any]] = {cls: {} for cls in _SECTIONS}
+    for name, body in data.items():
+        if name not in by_name:
+            what = "section" if isinstance(body, dict) else "top-level key"
+            raise ConfigError(f"{file}: unknown {what} [{name}] (known sections: {known})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{file}: {name} must be a section [{name}], got {body!r}")
+        fields = {f.name for f in dataclasses.fields(by_name[name])}
+        for key in body:
+            if key not in fields:
+                raise ConfigError(f"{file}: unknown setting [{name}] {key}")
+        out[by_name[name]] = body
+    return out
 
 
 def load(
@@ -179,22 +316,21 @@ def load(
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     if file:
-        try:
-            with open(file, "rb") as fh:
-                data = tomllib.load(fh).get(section, {})
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {file}: {exc}") from exc
-        for key, val in data.items():
-            if key not in names:
-                raise ConfigError(f"{file}: unknown setting [{section}] {key}")
-            values[key] = _convert(cls, key, val)
+        for key, val in _read_file(file)[cls].items():
+            try:
+                values[key] = _convert(cls, key, val)
+            except ConfigError as exc:
+                raise ConfigError(f"{file}: {exc}") from exc
     prefix = f"GCACHE_{section.upper()}_"
     for key, val in (os.environ if env is None else env).items():
         if key.startswith(prefix):
             name = key[len(prefix) :].lower()
             if name not in names:
                 raise ConfigError(f"unknown environment setting {key}")
-            values[name] = _convert(cls, name, val)
+            try:
+                values[name] = _convert(cls, name, val)
+            except ConfigError as exc:
+                raise ConfigError(f"environment {key}: {exc}") from exc
     for key, val in (overrides or {}).items():
         if val is not None:
             values[key] = _convert(cls, key, val)
@@ -207,6 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--flag`` per field, defaulting to None so unset flags do not override."""
     parser.add_argument("--config", help="TOML config file", default=None)
     for f in dataclasses.fields(cls):
+        if not f.repr:  # secrets (an access token) never travel as flags
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if f.type == "bool":

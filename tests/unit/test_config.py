@@ -51,7 +51,17 @@ def _toml(tmp_path: Path, text: str) -> str:
         ("1.5KiB", 1536),
         ("1KiB", 1024),
         ("2kib", 2048),
-        ("1k", 1000),
+        ("1k", 1024),  # a bare letter is binary, as dd, fio and perftest users expect
+        ("1M", 2**20),
+        ("1m", 2**20),
+        ("64M", 64 * 2**20),
+        ("2G", 2 * 2**30),
+        ("1T", 2**40),
+        ("1P", 2**50),
+        ("1PiB", 2**50),
+        ("1PB", 10**15),
+        ("1MB", 10**6),
+        ("1.5K", 1536),
         ("3KB", 3000),
         ("10b", 10),
         ("10B", 10),
@@ -68,7 +78,7 @@ def test_parse_size(text: str | int, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", " ", "abc", "MiB", "-5", "1e3", "1_000", "12 XB", "1PiB", "1..5k", "4 4", "0x10"]
+    "text", ["", " ", "abc", "MiB", "-5", "1e3", "1_000", "12 XB", "1EiB", "1..5k", "4 4", "0x10"]
 )
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ConfigError):
@@ -249,7 +259,8 @@ def test_meta_check_accepts_edges() -> None:
 
 def test_server_and_client_checks() -> None:
     with pytest.raises(ConfigError):
-        ServerConfig(capacity="1MB").check()  # 10**6 < 2**20
+        ServerConfig(capacity="1MB").check()  # 10**6 < 2**20: MB is decimal
+    ServerConfig(capacity="1M").check()  # 1M is 1MiB
     ServerConfig(capacity="1MiB").check()
     with pytest.raises(ConfigError):
         ServerConfig(capacity="lots").check()
@@ -323,3 +334,111 @@ def test_from_args_bad_value() -> None:
     args = _parser(MetaConfig).parse_args(["--high-watermark", "0.5"])
     with pytest.raises(ConfigError):  # below the default low watermark
         from_args(MetaConfig, args)
+
+
+# ---- issue 9: refused at start with one line naming the key --------------------------
+
+
+def test_size_one_letter_units_are_binary() -> None:
+    """`-s 1M` was 1,000,000 bytes; it is 1 MiB now, and P/PB/PiB are accepted."""
+    assert parse_size("1M") == parse_size("1MiB") == 1 << 20
+    assert parse_size("1P") == parse_size("1PiB") == 1 << 50
+    assert parse_size("1PB") == 10**15
+    assert parse_size(10**18) == 10**18
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ConfigError):
+            parse_size(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("cls", "key", "value"),
+    [
+        (MetaConfig, "lease_ttl_s", "nan"),
+        (MetaConfig, "lease_ttl_s", "inf"),
+        (MetaConfig, "put_timeout_s", "-inf"),
+        (MetaConfig, "heartbeat_timeout_s", "nan"),
+        (MetaConfig, "heartbeat_timeout_s", "0"),
+        (MetaConfig, "heartbeat_timeout_s", "-3"),
+        (MetaConfig, "high_watermark", "nan"),
+        (MetaConfig, "low_watermark", "nan"),
+        (MetaConfig, "high_watermark", "1.5"),
+        (MetaConfig, "port", "65536"),
+        (MetaConfig, "port", "-1"),
+        (MetaConfig, "grpc_port", "70000"),
+        (MetaConfig, "grpc_port", "-1"),
+        (MetaConfig, "metrics_port", "-2"),
+        (MetaConfig, "metrics_port", "65536"),
+        (MetaConfig, "max_keys_per_request", "0"),
+        (MetaConfig, "checkpoint_interval", "-1"),
+        (ServerConfig, "heartbeat_interval_s", "0"),
+        (ServerConfig, "heartbeat_interval_s", "nan"),
+        (ServerConfig, "heartbeat_interval_s", "inf"),
+        (ServerConfig, "port", "99999"),
+        (ServerConfig, "meta", "127.0.0.1:0"),
+        (ServerConfig, "meta", "127.0.0.1:77011"),
+        (ServerConfig, "meta", ":7701"),
+        (ServerConfig, "capacity", "lots"),
+        (ClientConfig, "timeout_s", "nan"),
+        (ClientConfig, "timeout_s", "0"),
+        (ClientConfig, "meta", "localhost"),
+        (ClientConfig, "meta_grpc", "h:x"),
+    ],
+)
+def test_bad_values_refused_naming_the_key(cls: type, key: str, value: str) -> None:
+    """NaN, infinite, zero or negative timeouts/intervals, ports outside 0..65535 and
+    watermarks outside (0, 1] are refused from every source, naming the key."""
+    with pytest.raises(ConfigError, match=rf"\b{key}\b") as info:
+        load(cls, env={}, overrides={key: value})
+    assert "\n" not in str(info.value)
+    section = {MetaConfig: "META", ServerConfig: "SERVER", ClientConfig: "CLIENT"}[cls]
+    with pytest.raises(ConfigError, match=rf"\b{key}\b"):
+        load(cls, env={f"GCACHE_{section}_{key.upper()}": value})
+
+
+@pytest.mark.parametrize("literal", ["nan", "inf", "-inf", "0.0", "-1.0"])
+def test_toml_float_literals_refused(tmp_path: Path, literal: str) -> None:
+    """TOML has nan and inf literals; a timeout of nan used to pass check()."""
+    path = _toml(tmp_path, f"[meta]\nlease_ttl_s = {literal}\n")
+    with pytest.raises(ConfigError, match="lease_ttl_s"):
+        load(MetaConfig, path, env={})
+
+
+def test_ports_zero_and_metrics_off_allowed() -> None:
+    cfg = load(MetaConfig, env={}, overrides={"port": 0, "grpc_port": 0, "metrics_port": -1})
+    assert (cfg.port, cfg.grpc_port, cfg.metrics_port) == (0, 0, -1)
+    assert load(ServerConfig, env={}, overrides={"port": "65535"}).port == 65535
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[metaa]\nport = 1\n", "[metaa]"),
+        ("[meta]\nport = 1\n[sever]\nport = 2\n", "[sever]"),
+        ("port = 7700\n", "[port]"),
+        ("meta = 5\n", "meta"),
+        ("[server]\nportt = 1\n", "portt"),  # a typo in another section is refused too
+        ("[meta]\nhost = [1]\n", "meta.host"),
+        ('[meta]\nport = "7700x"\n', "meta.port"),
+    ],
+)
+def test_unknown_sections_and_keys_refused(tmp_path: Path, text: str, needle: str) -> None:
+    """`[metaa]` was silently ignored: every section and key of the file is checked."""
+    path = _toml(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load(MetaConfig, path, env={})
+    assert needle in str(info.value) and path in str(info.value)
+
+
+def test_shipped_config_loads() -> None:
+    """deploy/gcache.toml as shipped passes every check, for every section."""
+    path = str(Path(__file__).resolve().parents[2] / "deploy" / "gcache.toml")
+    meta = load(MetaConfig, path, env={})
+    server = load(ServerConfig, path, env={})
+    assert meta.port == 7700 and server.meta == f"{meta.host}:{meta.grpc_port}"
+
+
+def test_config_errors_are_one_line() -> None:
+    for kw in ({"low_watermark": "0.95"}, {"lease_ttl_s": "1"}, {"eviction_policy": "x"}):
+        with pytest.raises(ConfigError) as info:
+            load(MetaConfig, env={}, overrides=kw)
+        assert next(iter(kw)) in str(info.value) and "\n" not in str(info.value)
