@@ -76,7 +76,7 @@ class StorageServer:
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
                     await stream.recv_into(target)
-                    await stream.send_msg(wire.Ok(head.payload_len), head.req_id)
+                    await stream.send_msg(wire.Ok(core.receipt(msg.grant)), head.req_id)
                 elif head.msg_type == wire.T_READ:
                     try:
                         views, total = core.read_views(msg, now_ms)
@@ -85,6 +85,14 @@ class StorageServer:
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
                     await stream.send_msg(wire.ReadData(total), head.req_id, views, total)
+                elif head.msg_type == wire.T_SEAL:
+                    try:
+                        receipts = core.seal(msg, now_ms)
+                    except Refusal as r:
+                        log.info("refused SEAL from %s: %s", stream.peer, r.message)
+                        await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
+                        continue
+                    await stream.send_msg(wire.Sealed(receipts), head.req_id)
                 elif head.msg_type == wire.T_PING:
                     await stream.send_msg(wire.Ok(0), head.req_id)
                 else:
