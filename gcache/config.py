@@ -127,6 +127,21 @@ class MetaConfig:
         default=512,
     )
     max_keys_per_request: int = _doc("largest batch a request may carry", default=1 << 17)
+    # -- bounds of pending puts and leases (gcache/meta/puts.py, leases.py) --
+    max_pending_per_client: float = _doc(
+        "fraction of the store's capacity one client connection's pending (uncommitted) "
+        "puts may reserve; objects past it get no_space",
+        default=0.25,
+    )
+    max_pending_total: float = _doc(
+        "fraction of the store's capacity all pending puts together may reserve", default=0.5
+    )
+    max_evict_per_put: float = _doc(
+        "fraction of the store's capacity one PutBegin may evict to make room", default=0.1
+    )
+    max_leases_per_client: int = _doc(
+        "read leases one client connection may hold at once", default=16384
+    )
     metrics_port: int = _doc("Prometheus /metrics HTTP port; -1 disables, 0 any free", default=7702)
     ready_file: str = _doc("write 'host port grpc_port metrics_port' here when up", default="")
     # -- auth (gcache/auth.py) --
@@ -163,6 +178,15 @@ class MetaConfig:
         if self.max_keys_per_request < 1:
             raise ConfigError(
                 f"meta.max_keys_per_request must be >= 1, got {self.max_keys_per_request}"
+            )
+        for name in ("max_pending_per_client", "max_pending_total", "max_evict_per_put"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(
+                    f"meta.{name} must be a fraction in (0, 1], got {getattr(self, name)!r}"
+                )
+        if self.max_leases_per_client < 1:
+            raise ConfigError(
+                f"meta.max_leases_per_client must be >= 1, got {self.max_leases_per_client}"
             )
         for name in ("lease_ttl_s", "put_timeout_s"):
             if getattr(self, name) <= GRANT_MARGIN_S:

@@ -5,8 +5,9 @@ becomes a tombstone that still serves longer matches), and a ``full`` object onl
 on a *leaf* block (no cached descendants), since every longer match needs it. An
 object under a live read lease is never a candidate: it is being read, and
 dropping it would free nothing until the lease ends. The meta asks a policy for
-candidates on one server in the order it prefers; the policy keeps its own
-bookkeeping current through the hooks below.
+candidates in the order it prefers, across every server (the meta stops once the
+server it needs room on has it); the policy keeps its own bookkeeping current
+through the hooks below.
 
 Policies: ``lru`` (the baseline) and ``cost`` (value = expected reuse x recompute
 FLOPs / bytes; see ``docs/eviction.md`` for the rule and its measured effect).
@@ -55,8 +56,10 @@ class EvictionPolicy(Protocol):
         """The last lease on a live ``obj`` ended: it may be a candidate again."""
 
     def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
-        """Evictable objects on ``server``, best victim first. The caller evicts as
-        it iterates, so implementations re-check each candidate lazily."""
+        """Evictable objects, best victim first: of the whole store (``lru``,
+        ``cost``), so the order follows value across servers, or of ``server`` only.
+        The caller evicts as it iterates and stops once ``server`` has room, so
+        implementations re-check each candidate lazily."""
         ...
 
     def forget_server(self, server: ServerRecord) -> None: ...
@@ -65,34 +68,31 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used among the evictable objects of each server.
+    """Least recently used among the evictable objects of the whole store.
 
-    One lazy-deletion heap per server keyed by ``last_access``: a touch pushes a new
-    item instead of re-heapifying; stale items are skipped when popped and the heap
-    is rebuilt when stale items outnumber live ones.
+    One lazy-deletion heap keyed by ``last_access`` for every server together, so
+    an old prompt split across servers ranks by its age, not by where its blocks
+    happen to sit (per-server heaps would evict a fresh prompt on one server while
+    the old one's leaf, elsewhere, kept its interior blocks unevictable). A touch
+    pushes a new item instead of re-heapifying; stale items are skipped when popped
+    and the heap is rebuilt when it has grown 4x since the last rebuild.
     """
 
     name = "lru"
 
     def __init__(self) -> None:
-        self._heaps: dict[int, list[HeapItem]] = {}
+        self._heap: list[HeapItem] = []
+        self._base = 0  # heap size after the last rebuild
         self._seq = itertools.count()
         self.pushes = 0
 
-    def _heap(self, server: ServerRecord) -> list[HeapItem]:
-        heap = self._heaps.get(id(server))
-        if heap is None:
-            heap = self._heaps[id(server)] = []
-        return heap
-
     def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        heap = self._heaps.get(id(obj.server))
-        if heap is None:
-            heap = self._heaps[id(obj.server)] = []
+        heap = self._heap
         heapq.heappush(heap, (obj.last_access, next(self._seq), obj, ns))
         self.pushes += 1
-        if len(heap) > 4096 and len(heap) > 4 * max(obj.server.objects, 1):
+        if len(heap) > 4096 and len(heap) > 4 * self._base:
             self._compact(heap)
+            self._base = len(heap)
 
     def _compact(self, heap: list[HeapItem]) -> None:
         best: dict[int, HeapItem] = {}
@@ -126,7 +126,9 @@ class LRUPolicy:
                 self._push(obj, ns)
 
     def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
-        heap = self._heap(server)
+        """Store-wide order (``server`` is where room is needed; the caller stops
+        once it has it)."""
+        heap = self._heap
         pop = heapq.heappop
         while heap:
             stamp, _, obj, ns = pop(heap)
@@ -135,16 +137,15 @@ class LRUPolicy:
                 or obj.state != LIVE
                 or obj.pins
                 or (obj.group == ns.full_group and obj.entry.children)
-                or obj.server is not server
             ):
                 continue  # stale: touched since, evicted, leased, or has children now
             yield obj, ns
 
     def forget_server(self, server: ServerRecord) -> None:
-        self._heaps.pop(id(server), None)
+        pass  # its objects are GONE: their items are skipped as stale
 
     def stats(self) -> dict[str, int]:
-        return {"heap_items": sum(len(h) for h in self._heaps.values()), "pushes": self.pushes}
+        return {"heap_items": len(self._heap), "pushes": self.pushes}
 
 
 # ---- the compute model: what recomputing a prefix costs ------------------------------
@@ -310,7 +311,9 @@ class CostPolicy:
     ) -> None:
         """``tau_s`` fixes ``tau`` (tests, experiments) instead of measuring it."""
         self._now = 0.0  # the latest access seen: the clock, for eviction ages
-        self._heaps: dict[int, list[HeapItem]] = {}
+        # One heap for the whole store (see LRUPolicy), rebuilt at 4x growth.
+        self._heap: list[HeapItem] = []
+        self._base = 0
         self._seq = itertools.count()
         self._compute = compute
         self._ns: dict[int, _NsCost] = {}
@@ -395,13 +398,12 @@ class CostPolicy:
     # -- heap ------------------------------------------------------------------------
 
     def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        heap = self._heaps.get(id(obj.server))
-        if heap is None:
-            heap = self._heaps[id(obj.server)] = []
+        heap = self._heap
         heapq.heappush(heap, (obj.last_access + self.tau * obj.score, next(self._seq), obj, ns))
         self.pushes += 1
-        if len(heap) > 4096 and len(heap) > 4 * max(obj.server.objects, 1):
+        if len(heap) > 4096 and len(heap) > 4 * self._base:
             self._rekey(heap)
+            self._base = len(heap)
 
     def _rekey(self, heap: list[HeapItem]) -> None:
         """Drop stale items and key the rest with the current ``tau``."""
@@ -455,8 +457,7 @@ class CostPolicy:
         if not 1 / TAU_DRIFT <= est / self.tau <= TAU_DRIFT:
             self.tau = est
             self.rekeys += 1
-            for heap in self._heaps.values():
-                self._rekey(heap)
+            self._rekey(self._heap)
 
     def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         self._rescore_full(entry, ns, self._ns.get(ns.ns_id) or self._cost(ns))
@@ -485,7 +486,8 @@ class CostPolicy:
             self._push(obj, ns)
 
     def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
-        heap = self._heaps.get(id(server))
+        """Store-wide order, as for :class:`LRUPolicy`."""
+        heap = self._heap
         pop = heapq.heappop
         while heap:
             key, _, obj, ns = pop(heap)
@@ -494,17 +496,16 @@ class CostPolicy:
                 or obj.state != LIVE
                 or obj.pins
                 or (obj.group == ns.full_group and obj.entry.children)
-                or obj.server is not server
             ):
                 continue  # stale: touched or re-scored since, evicted, or interior now
             yield obj, ns
 
     def forget_server(self, server: ServerRecord) -> None:
-        self._heaps.pop(id(server), None)
+        pass  # its objects are GONE: their items are skipped as stale
 
     def stats(self) -> dict[str, int]:
         return {
-            "heap_items": sum(len(h) for h in self._heaps.values()),
+            "heap_items": len(self._heap),
             "pushes": self.pushes,
             "rekeys": self.rekeys,
             "tau_ms": int(self.tau * 1000),

@@ -30,18 +30,18 @@ def dispatch(core: MetaCore, session: Session, msg_type: int, msg: Any) -> wire.
     now, wall = time.monotonic(), time.time()
     if msg_type == wire.T_LOOKUP:
         for lease_id in msg.release:
-            core.release(lease_id)
-        return core.lookup(msg, now, wall)
+            core.release(lease_id, session)
+        return core.lookup(msg, now, wall, session)
     if msg_type == wire.T_PUT_BEGIN:
-        return core.put_begin(msg, now, wall)
+        return core.put_begin(msg, now, wall, session)
     if msg_type == wire.T_PUT_COMMIT:
-        return wire.Ok(core.put_commit(msg, now))
+        return wire.Ok(core.put_commit(msg, now, session))
     if msg_type == wire.T_PUT_ABORT:
-        return wire.Ok(int(core.put_abort(msg.put_id)))
+        return wire.Ok(int(core.put_abort(msg.put_id, session)))
     if msg_type == wire.T_RELEASE:
-        released = int(core.release(msg.lease_id))
+        released = int(core.release(msg.lease_id, session))
         for lease_id in msg.also:
-            released += core.release(lease_id)
+            released += core.release(lease_id, session)
         return wire.Ok(released)
     if msg_type == wire.T_PING:
         return wire.Ok(0)
@@ -88,6 +88,7 @@ class HotPathServer:
         except Exception:  # a bug must cost one connection, never the daemon
             log.exception("internal error on hot-path connection from %s", stream.peer)
         finally:
+            core.end_session(session, time.monotonic())  # its puts aborted, leases released
             stream.close()
 
     async def accept_loop(self) -> None:

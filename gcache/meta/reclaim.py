@@ -5,9 +5,13 @@ does I/O or reads the clock."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter
 
 from gcache.config import MetaConfig
+from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, Refusal
+from gcache.keys import KEY_SIZE
 from gcache.meta.eviction import EvictionPolicy
 from gcache.meta.records import (
     EVICTED,
@@ -17,6 +21,7 @@ from gcache.meta.records import (
     ObjectRecord,
     ServerRecord,
 )
+from gcache.meta.session import Principal
 
 # Freed ranges reported to a server per heartbeat reply, at most (the server only
 # counts them; a longer backlog is dropped rather than grown without bound).
@@ -42,24 +47,63 @@ def present_prefix(entries: dict[bytes, BlockEntry], key_list: list[bytes]) -> i
 
 class IndexStore:
     """The counters and the eviction mechanics of the index (which object goes is
-    the policy's decision; this is how it goes)."""
+    the policy's decision; this is how it goes), and the quarantine of ranges freed
+    from pending puts."""
 
     cfg: MetaConfig
     policy: EvictionPolicy
+    namespaces: dict[bytes, NamespaceRecord]
     counters: Counter[str]
     group_bytes: Counter[str]
+    tenant_bytes: Counter[str]  # committed bytes per tenant (principal name)
     entries: int
     live_objects: int
     live_bytes: int
+    # (release at, seq, server, offset, length): ranges of pending puts whose write
+    # grants may still be presented; they return to the allocator only after.
+    quarantine: list[tuple[float, int, ServerRecord, int, int]]
+    _qseq: itertools.count[int]
+
+    # ---- requests: namespace, keys, access -------------------------------------------
+
+    def _namespace(self, fp: bytes, who: Principal | None = None) -> NamespaceRecord:
+        ns = self.namespaces.get(fp)
+        if ns is None:
+            raise Refusal(E_UNKNOWN_NAMESPACE, "unknown namespace (register it first)")
+        if who is not None and not who.may_use(str(ns.descriptor.get("cache_salt", ""))):
+            raise Refusal(E_ACCESS_DENIED, f"tenant {who.name!r} may not use this namespace")
+        return ns
+
+    def _check_keys(self, key_list: list[bytes]) -> None:
+        n = len(key_list)
+        if n > self.cfg.max_keys_per_request:
+            raise Refusal(E_BAD_REQUEST, f"{n} keys exceed {self.cfg.max_keys_per_request}")
+        # Frames from the wire were checked key by key in the decoder; this one
+        # C-speed pass catches in-process callers' wrong sizes.
+        if len(b"".join(key_list)) != n * KEY_SIZE:
+            bad = next((len(k) for k in key_list if len(k) != KEY_SIZE), 0)
+            raise Refusal(E_BAD_REQUEST, f"block keys are {KEY_SIZE} bytes, got {bad}")
+
+    # ---- eviction ----------------------------------------------------------------------
 
     def _check_watermark(self, srv: ServerRecord) -> None:
         cap = srv.allocator.capacity
         if srv.reclaimable_used > self.cfg.high_watermark * cap:
-            self._evict(srv, target_used=int(self.cfg.low_watermark * cap))
+            self._evict(srv, target_used=int(self.cfg.low_watermark * cap), max_bytes=cap)
 
-    def _evict(self, srv: ServerRecord, target_used: int = -1, need_contiguous: int = 0) -> int:
-        """Evict from ``srv`` until its reclaimable usage is at most ``target_used``
-        or a ``need_contiguous``-byte allocation would fit. Returns objects evicted."""
+    def _evict(
+        self,
+        srv: ServerRecord,
+        target_used: int = -1,
+        need_contiguous: int = 0,
+        max_bytes: int = 1 << 62,
+    ) -> int:
+        """Evict in the policy's store-wide order until ``srv``'s reclaimable usage is
+        at most ``target_used`` or a ``need_contiguous``-byte allocation fits there,
+        or ``max_bytes`` went. The policy ranks objects of every server together, so
+        an old prompt split across servers goes before a fresh one (its leaf on
+        another server must go before its interior blocks here can). Returns bytes
+        evicted."""
         evicted = 0
         allocator = srv.allocator
         evict_object = self._evict_object
@@ -69,33 +113,57 @@ class IndexStore:
                 # Without its full object a block serves no match: take all of it.
                 for g, o in enumerate(entry.objects):
                     if o is not None:
+                        evicted += o.length
                         evict_object(ns, entry, g)
-                        evicted += 1
             else:
+                evicted += obj.length
                 evict_object(ns, entry, obj.group)
-                evicted += 1
             if entry.children == 0 and not any(entry.objects):
                 self._prune(ns, entry)
             if need_contiguous and allocator.largest_free() >= need_contiguous:
                 break
-            if target_used >= 0 and allocator.used - srv.deferred_bytes <= target_used:
+            if target_used >= 0 and srv.reclaimable_used <= target_used:
+                break
+            if evicted >= max_bytes:
                 break
         return evicted
 
+    def evict_keys(
+        self, fp: bytes, key_list: list[bytes], groups: int, who: Principal | None = None
+    ) -> tuple[int, int]:
+        """Admin eviction of named objects (``who``: the tenant asking, checked for
+        access to the namespace; None: the operator). A full object goes only from a
+        leaf (with its whole block); windowed objects may go from any block. Returns
+        (evicted, refused)."""
+        ns = self._namespace(fp, who)
+        self._check_keys(key_list)
+        evicted = refused = 0
+        for key in key_list:
+            entry = ns.entries.get(key)
+            if entry is None:
+                continue
+            for g in range(ns.layout.num_groups):
+                if not groups >> g & 1 or entry.objects[g] is None:
+                    continue
+                if g == ns.full_group:
+                    if entry.children:
+                        refused += 1
+                        continue
+                    for g2 in range(len(entry.objects)):
+                        if entry.objects[g2] is not None:
+                            self._evict_object(ns, entry, g2)
+                            evicted += 1
+                    break
+                self._evict_object(ns, entry, g)
+                evicted += 1
+            if key in ns.entries:
+                self._prune(ns, entry)
+        return evicted, refused
+
     def _evict_object(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> None:
-        # _unlink and _free_range inlined: this runs once per evicted object.
-        obj = entry.objects[g]
-        assert obj is not None
-        entry.objects[g] = None
-        if g == ns.full_group:
-            ns.full_holes += 1
-        srv = obj.server
+        obj = self._unlink(ns, entry, g)
         size = obj.length
-        srv.objects -= 1
-        self.live_objects -= 1
-        self.live_bytes -= size
-        self.group_bytes[ns.layout.group_names[g]] -= size
-        obj.state = EVICTED
+        srv = obj.server
         counters = self.counters
         counters["evictions"] += 1
         counters["evicted_bytes"] += size
@@ -104,21 +172,29 @@ class IndexStore:
             srv.deferred_bytes += size
         else:
             obj.state = GONE
-            if srv.alive:
-                srv.allocator.free(obj.offset)
-                if len(srv.freed) < MAX_FREED_REPORT:
-                    srv.freed.append((obj.offset, size))
+            # A committed object's write grant was consumed (its receipt proves it):
+            # its range may be re-used at once.
+            self._free_range(srv, obj.offset, size)
 
     def _unlink(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> ObjectRecord:
+        """Take object ``g`` of ``entry`` out of the index and its counters."""
         obj = entry.objects[g]
         assert obj is not None
         entry.objects[g] = None
         if g == ns.full_group:
             ns.full_holes += 1
         obj.server.objects -= 1
+        obj.unlink()
+        size = obj.length
         self.live_objects -= 1
-        self.live_bytes -= obj.length
-        self.group_bytes[ns.layout.group_names[g]] -= obj.length
+        self.live_bytes -= size
+        self.group_bytes[ns.layout.group_names[g]] -= size
+        if obj.owner:
+            left = self.tenant_bytes[obj.owner] - size
+            if left:
+                self.tenant_bytes[obj.owner] = left
+            else:
+                del self.tenant_bytes[obj.owner]
         obj.state = EVICTED
         return obj
 
@@ -140,6 +216,8 @@ class IndexStore:
                 self.policy.became_leaf(parent, ns)
             entry = parent
 
+    # ---- returning memory ----------------------------------------------------------------
+
     def _free_object(self, obj: ObjectRecord) -> None:
         obj.state = GONE
         self._free_range(obj.server, obj.offset, obj.length)
@@ -150,6 +228,26 @@ class IndexStore:
         srv.allocator.free(offset)
         if len(srv.freed) < MAX_FREED_REPORT:
             srv.freed.append((offset, length))
+
+    def _quarantine(self, srv: ServerRecord, offset: int, length: int, until: float) -> None:
+        """Hold a range freed from a pending put (abort, reclaim, session end, or left
+        unwritten at commit) until ``until``, when every write grant to it has
+        expired (grants end ``GRANT_MARGIN_S`` before it): a stale grant can then
+        never write into a range the allocator gave to someone else."""
+        if not srv.alive:
+            return
+        srv.quarantined_bytes += length
+        heapq.heappush(self.quarantine, (until, next(self._qseq), srv, offset, length))
+
+    def _release_quarantine(self, now: float) -> None:
+        q = self.quarantine
+        while q and q[0][0] <= now:
+            _, _, srv, offset, length = heapq.heappop(q)
+            if srv.alive:
+                srv.quarantined_bytes -= length
+                self._free_range(srv, offset, length)
+
+    # ---- index entries -----------------------------------------------------------------
 
     def _ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
         entries = ns.entries

@@ -8,24 +8,52 @@ group. Counters are maintained incrementally, never by rescanning.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from gcache import wire
 from gcache.layout import Layout
 from gcache.storage.allocator import SegmentAllocator
+
+if TYPE_CHECKING:
+    from gcache.meta.session import Session
 
 LIVE: Final = 0  # in the index, readable
 EVICTED: Final = 1  # out of the index, memory held until its leases end
 GONE: Final = 2  # memory freed (or its server died)
 
 
-class ObjectRecord:
+class RingNode:
+    """A node of a server's ring of live objects (one ring per namespace): dropping a
+    server walks its own objects only, never the whole index."""
+
+    __slots__ = ("next_on", "prev_on")
+
+    def __init__(self) -> None:
+        self.prev_on: RingNode = self
+        self.next_on: RingNode = self
+
+    def link(self, node: RingNode) -> None:
+        """Insert ``node`` after this one."""
+        nxt = self.next_on
+        node.prev_on = self
+        node.next_on = nxt
+        nxt.prev_on = node
+        self.next_on = node
+
+    def unlink(self) -> None:
+        self.prev_on.next_on = self.next_on
+        self.next_on.prev_on = self.prev_on
+        self.prev_on = self.next_on = self
+
+
+class ObjectRecord(RingNode):
     __slots__ = (
         "entry",
         "group",
         "last_access",
         "length",
         "offset",
+        "owner",
         "pins",
         "score",
         "server",
@@ -42,7 +70,9 @@ class ObjectRecord:
         length: int,
         sums: bytes,
         now: float,
+        owner: str = "",
     ) -> None:
+        RingNode.__init__(self)
         self.entry = entry
         self.group = group
         self.server = server
@@ -52,6 +82,7 @@ class ObjectRecord:
         self.pins = 0
         self.state = LIVE
         self.last_access = now
+        self.owner = owner  # the tenant whose quota the bytes count against
         # The eviction policy's own figure for this object (the cost policy keeps
         # log(value per byte) here, so a touch re-keys it without recomputing).
         self.score = 0.0
@@ -123,6 +154,9 @@ class ServerRecord:
         "incarnation",
         "last_seen",
         "objects",
+        "pending_bytes",
+        "quarantined_bytes",
+        "rings",
         "secret",
         "server_id",
     )
@@ -149,10 +183,27 @@ class ServerRecord:
         # Ranges freed since the last heartbeat, reported to the server (bounded).
         self.freed: list[tuple[int, int]] = []
         self.counters: dict[str, int] = {}
+        # Bytes allocated to pending puts, and freed from them but held back until
+        # their write grants expired (see MetaCore's quarantine).
+        self.pending_bytes = 0
+        self.quarantined_bytes = 0
+        # Live objects of this server, one ring per namespace id (a sentinel node).
+        self.rings: dict[int, RingNode] = {}
+
+    def ring(self, ns_id: int) -> RingNode:
+        r = self.rings.get(ns_id)
+        if r is None:
+            r = self.rings[ns_id] = RingNode()
+        return r
 
     @property
     def reclaimable_used(self) -> int:
-        return self.allocator.used - self.deferred_bytes
+        """Committed bytes eviction can return: not those of pending puts, of the
+        quarantine, or of evicted objects still leased (watermarks count these only,
+        so an uncommitted put never drives watermark eviction)."""
+        return (
+            self.allocator.used - self.deferred_bytes - self.pending_bytes - self.quarantined_bytes
+        )
 
 
 Placed = tuple[int, int, "ServerRecord", int, int]  # (block, group, server, offset, length)
@@ -170,7 +221,11 @@ class Plan:
 
 
 class PendingPut:
-    __slots__ = ("deadline", "keys", "ns", "placements", "put_id")
+    """A begun put. ``deadline``: when it is reclaimed, which is also when its write
+    grants have expired plus the margin (their ranges stay quarantined until then).
+    ``owner``: the session that began it, the only one that may commit or abort it."""
+
+    __slots__ = ("deadline", "expiry_ms", "keys", "nbytes", "ns", "owner", "placements", "put_id")
 
     def __init__(
         self,
@@ -179,21 +234,32 @@ class PendingPut:
         keys: list[bytes],
         placements: list[Placed],
         deadline: float,
+        owner: Session,
+        expiry_ms: int,
     ) -> None:
         self.put_id = put_id
         self.ns = ns
         self.keys = keys
         self.placements = placements
         self.deadline = deadline
+        self.owner = owner
+        self.expiry_ms = expiry_ms  # of every write grant of the put (wall ms)
+        self.nbytes = sum(p[4] for p in placements)
 
 
 class Lease:
-    __slots__ = ("expiry", "lease_id", "ns", "objects")
+    __slots__ = ("expiry", "lease_id", "ns", "objects", "owner")
 
     def __init__(
-        self, lease_id: int, ns: NamespaceRecord, objects: list[ObjectRecord], expiry: float
+        self,
+        lease_id: int,
+        ns: NamespaceRecord,
+        objects: list[ObjectRecord],
+        expiry: float,
+        owner: Session,
     ) -> None:
         self.lease_id = lease_id
         self.ns = ns
         self.objects = objects
         self.expiry = expiry
+        self.owner = owner  # only this session may release it

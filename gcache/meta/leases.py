@@ -1,0 +1,122 @@
+"""Lookups and read leases: the longest valid match, the objects it reads, pins
+held by the session that asked, released only by it (or by expiry or its end)."""
+
+from __future__ import annotations
+
+import heapq
+from operator import attrgetter, itemgetter
+
+from gcache import capability, wire
+from gcache.config import GRANT_MARGIN_S
+from gcache.errors import E_NO_SPACE, Refusal
+from gcache.meta.puts import Puts, new_id, wall_ms
+from gcache.meta.reclaim import present_prefix
+from gcache.meta.records import EVICTED, LIVE, BlockEntry, Lease, NamespaceRecord, ObjectRecord
+from gcache.meta.session import LOCAL, Session
+
+_OBJECTS = attrgetter("objects")
+
+
+class Leases(Puts):
+    leases: dict[int, Lease]
+    _lease_heap: list[tuple[float, int]]
+
+    def lookup(
+        self, req: wire.Lookup, now: float, wall: float, session: Session = LOCAL
+    ) -> wire.LookupResult:
+        ns = self._namespace(req.namespace, session.principal)
+        self._check_keys(req.keys)
+        layout = ns.layout
+        if req.lease and len(session.leases) >= self.cfg.max_leases_per_client:
+            raise Refusal(
+                E_NO_SPACE, f"{len(session.leases)} leases held: release some before asking more"
+            )
+        p = self.match(ns, req.keys, len(req.keys))
+        if p == 0 or not req.lease:
+            return wire.LookupResult(blocks=p, tokens=p * layout.block_size)
+        chain = list(map(ns.entries.__getitem__, req.keys[:p]))
+        picked = self.pick(ns, chain, p, now)
+        lease_id = new_id(self.leases)
+        expiry = now + self.cfg.lease_ttl_s
+        expiry_ms = wall_ms(wall, now, expiry - GRANT_MARGIN_S)
+        index: dict[str, int] = {}
+        servers: list[wire.ServerAddr] = []
+        locs: list[wire.ObjectLoc] = []
+        for obj in picked:
+            obj.pins += 1
+            srv = obj.server
+            si = index.get(srv.server_id)
+            if si is None:
+                si = index[srv.server_id] = len(servers)
+                servers.append(srv.addr)
+            tag = capability.mint(
+                srv.secret, capability.KIND_READ, obj.offset, obj.length, expiry_ms
+            )
+            grant = wire.Grant(obj.offset, obj.length, expiry_ms, tag)
+            locs.append(wire.ObjectLoc(obj.entry.pos, obj.group, si, grant, obj.sums))
+        self.leases[lease_id] = Lease(lease_id, ns, picked, expiry, session)
+        session.leases.add(lease_id)
+        heapq.heappush(self._lease_heap, (expiry, lease_id))
+        self.counters["leases_granted"] += 1
+        return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
+
+    def match(self, ns: NamespaceRecord, key_list: list[bytes], limit: int) -> int:
+        """Longest valid match (blocks) among the first ``limit`` keys."""
+        entries = ns.entries
+        keys_ = key_list[:limit] if limit < len(key_list) else key_list
+        n = present_prefix(entries, keys_)
+        fg = ns.full_group
+        if fg is not None and ns.full_holes and n:
+            # Some entry lacks its full object: find the first such on this chain.
+            fulls = list(map(itemgetter(fg), map(_OBJECTS, map(entries.__getitem__, keys_[:n]))))
+            if None in fulls:
+                n = fulls.index(None)
+        layout = ns.layout
+        p = layout.valid_match(n, lambda j, g: entries[keys_[j]].objects[g] is not None)
+        c = self.counters
+        c["lookups"] += 1
+        c["lookup_blocks"] += limit
+        c["hit_blocks"] += p
+        c["hit_tokens"] += p * layout.block_size
+        return p
+
+    def pick(
+        self, ns: NamespaceRecord, chain: list[BlockEntry], p: int, now: float
+    ) -> list[ObjectRecord]:
+        """The objects a match of ``p`` blocks reads, touched (a reuse) for the policy."""
+        picked: list[ObjectRecord] = []
+        for g, tail in enumerate(ns.layout.group_tail_blocks):
+            lo = 0 if tail is None else max(0, p - tail)
+            for j in range(lo, p):
+                obj = chain[j].objects[g]
+                assert obj is not None
+                picked.append(obj)
+        touch = self.policy.touch
+        for obj in picked:
+            age = now - obj.last_access
+            obj.last_access = now
+            touch(obj, ns, age)
+        return picked
+
+    def release(self, lease_id: int, session: Session = LOCAL) -> bool:
+        """End a lease ``session`` holds; another session's lease is left alone."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        if lease.owner is not session:
+            self.counters["foreign_refused"] += 1
+            return False
+        self._end_lease(lease)
+        return True
+
+    def _end_lease(self, lease: Lease) -> None:
+        del self.leases[lease.lease_id]
+        lease.owner.leases.discard(lease.lease_id)
+        for obj in lease.objects:
+            obj.pins -= 1
+            if obj.pins == 0:
+                if obj.state == EVICTED:
+                    obj.server.deferred_bytes -= obj.length
+                    self._free_object(obj)
+                elif obj.state == LIVE:
+                    self.policy.unpinned(obj, lease.ns)

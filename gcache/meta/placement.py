@@ -1,0 +1,188 @@
+"""Where a put's objects go: dedup against the index, the SWA checkpoints the meta
+asks for, and allocation on the servers' segments within a :class:`Budget` (what
+one put may reserve and evict), evicting when nothing fits. No I/O, no clock."""
+
+from __future__ import annotations
+
+from gcache.meta.reclaim import IndexStore
+from gcache.meta.records import NamespaceRecord, Placed, Plan, ServerRecord
+
+UNBOUNDED = 1 << 62
+
+
+class Budget:
+    """Bytes one put may still allocate (the least of its client's, the store's and
+    its tenant's pending/quota room) and evict. An object past ``alloc`` is
+    ``no_space`` without evicting anything, so a put over its bounds never takes
+    other tenants' committed data."""
+
+    __slots__ = ("alloc", "evict")
+
+    def __init__(self, alloc: int = UNBOUNDED, evict: int = UNBOUNDED) -> None:
+        self.alloc = alloc
+        self.evict = evict
+
+
+class Placement(IndexStore):
+    servers: dict[str, ServerRecord]
+    _live: list[ServerRecord] | None
+
+    def place(
+        self,
+        ns: NamespaceRecord,
+        key_list: list[bytes],
+        masks: list[int],
+        now: float,
+        checkpoint_from: int = -1,
+        budget: Budget | None = None,
+    ) -> Plan:
+        """Plan a put of a validated request: skip stored objects (dedup), add the
+        checkpoint windows the meta wants (only on blocks from ``checkpoint_from``,
+        the first block whose windowed rows the client holds; -1: none), allocate
+        within ``budget`` (None: unbounded). Used by ``put_begin`` and in-process
+        drivers."""
+        if budget is None:
+            budget = Budget()
+        entries = ns.entries
+        fg = ns.full_group
+        branch = 0  # how far the prompt follows blocks with their full object cached
+        if fg is not None:
+            for key in key_list:
+                e = entries.get(key)
+                if e is None or e.objects[fg] is None:
+                    break
+                branch += 1
+        checkpoints: list[int] = []
+        if checkpoint_from >= 0 and fg is not None:
+            checkpoints = self._checkpoints(ns, key_list, branch, checkpoint_from)
+            if checkpoints:
+                masks = ns.layout.add_windows(masks, checkpoints)
+        placed: list[Placed] = []
+        start = 0
+        if branch and fg is not None and masks[:branch].count(1 << fg) == branch:
+            # The cached prefix, offered full objects only: all present, no probe.
+            start = branch
+        evictions = self.counters["evictions"]
+        deduped, no_space = self._place_objects(ns, key_list, masks, start, now, placed, budget)
+        deduped += start
+        if self.counters["evictions"] != evictions:
+            # Making room evicted objects this put had counted as stored: a second
+            # pass over every block places them. It re-counts what is stored and what
+            # found no space (the first pass's figures would count both twice).
+            deduped, no_space = self._place_objects(ns, key_list, masks, 0, now, placed, budget)
+        self.counters["puts_begun"] += 1
+        self.counters["objects_no_space"] += no_space
+        self.counters["objects_deduped"] += deduped
+        self.counters["checkpoints_placed"] += len(checkpoints)
+        return Plan(placed, no_space, checkpoints)
+
+    def _place_objects(
+        self,
+        ns: NamespaceRecord,
+        key_list: list[bytes],
+        masks: list[int],
+        start: int,
+        now: float,
+        placed: list[Placed],
+        budget: Budget,
+    ) -> tuple[int, int]:
+        """Allocate every object ``masks`` asks for from block ``start`` that is
+        neither stored nor in ``placed`` yet. Returns (already stored, no space)."""
+        entries = ns.entries
+        sizes = ns.layout.group_object_bytes
+        have = {(p[0], p[1]) for p in placed} if placed else None
+        deduped = no_space = 0
+        live = self._live_servers()
+        # One server (the replayer, small deployments): allocate there directly.
+        only = live[0] if len(live) == 1 else None
+        alloc = only.allocator.alloc if only is not None else None
+        for i in range(start, len(key_list)):
+            mask = masks[i]
+            if not mask:
+                continue
+            entry = entries.get(key_list[i])
+            g = 0
+            while mask:
+                if mask & 1 and (have is None or (i, g) not in have):
+                    if entry is not None and entry.objects[g] is not None:
+                        deduped += 1
+                    elif sizes[g] > budget.alloc:
+                        no_space += 1  # past the put's bounds: nothing evicted for it
+                    else:
+                        size = sizes[g]
+                        off = alloc(size) if alloc is not None else None
+                        if off is not None and only is not None:
+                            placed.append((i, g, only, off, size))
+                            budget.alloc -= size
+                        else:
+                            where = self._allocate(size, budget)
+                            if where is None:
+                                no_space += 1
+                            else:
+                                placed.append((i, g, where[0], where[1], size))
+                                budget.alloc -= size
+                mask >>= 1
+                g += 1
+        return deduped, no_space
+
+    def _checkpoints(
+        self, ns: NamespaceRecord, key_list: list[bytes], branch: int, first: int
+    ) -> list[int]:
+        """:meth:`Layout.checkpoint_positions` for this prompt, dense while the store
+        is below its low watermark, less the windows that are complete already."""
+        layout = ns.layout
+        interval = self.cfg.checkpoint_interval // layout.block_size
+        if interval <= 0:
+            return []
+        dense = self._below_low_watermark()
+        entries = ns.entries
+        out = []
+        for c in layout.checkpoint_positions(len(key_list), branch, first, interval, dense):
+            for g, t in ns.windowed:
+                if any(
+                    (e := entries.get(key_list[j])) is None or e.objects[g] is None
+                    for j in range(max(0, c - t), c)
+                ):
+                    out.append(c)
+                    break
+        return out
+
+    def _below_low_watermark(self) -> bool:
+        used = cap = 0
+        for srv in self._live_servers():
+            used += srv.reclaimable_used
+            cap += srv.allocator.capacity
+        return used < self.cfg.low_watermark * cap
+
+    def _live_servers(self) -> list[ServerRecord]:
+        live = self._live
+        if live is None:
+            live = self._live = [s for s in self.servers.values() if s.alive]
+        return live
+
+    def live_capacity(self) -> int:
+        return sum(s.allocator.capacity for s in self._live_servers())
+
+    def _allocate(self, size: int, budget: Budget) -> tuple[ServerRecord, int] | None:
+        """Place ``size`` bytes on the live server with the most free space,
+        evicting (within ``budget.evict``) if nothing fits."""
+        live = self._live_servers()
+        if not live:
+            return None
+        best = live[0] if len(live) == 1 else max(live, key=lambda s: s.allocator.free_bytes)
+        off = best.allocator.alloc(size)
+        if off is not None:
+            return best, off
+        order = sorted(live, key=lambda s: s.allocator.free_bytes, reverse=True)
+        for srv in order:
+            off = srv.allocator.alloc(size)
+            if off is not None:
+                return srv, off
+        for srv in order:
+            if budget.evict <= 0:
+                return None
+            budget.evict -= self._evict(srv, need_contiguous=size, max_bytes=budget.evict)
+            off = srv.allocator.alloc(size)
+            if off is not None:
+                return srv, off
+        return None

@@ -1,0 +1,243 @@
+"""Pending puts: begin (bounded placement, write grants), commit (only what was
+written, proven by the servers' receipts) and abort. Every range freed from a
+pending put is quarantined until its write grants have expired. No I/O."""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from collections import Counter
+from collections.abc import Container
+
+from gcache import capability, wire
+from gcache.config import GRANT_MARGIN_S
+from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_PUT, Refusal
+from gcache.meta.placement import UNBOUNDED, Budget, Placement
+from gcache.meta.records import (
+    BlockEntry,
+    NamespaceRecord,
+    ObjectRecord,
+    PendingPut,
+    Placed,
+    ServerRecord,
+)
+from gcache.meta.session import LOCAL, Session
+
+
+def wall_ms(now: float, mono_now: float, at: float) -> int:
+    """Unix ms of monotonic instant ``at``."""
+    return int((now + (at - mono_now)) * 1000)
+
+
+def new_id(taken: Container[int]) -> int:
+    """A random, non-zero 64-bit id not in ``taken``: unguessable by other clients,
+    and an id from before a meta restart names nothing after it."""
+    while True:
+        i = secrets.randbits(64)
+        if i and i not in taken:
+            return i
+
+
+class Puts(Placement):
+    puts: dict[int, PendingPut]
+    _put_heap: list[tuple[float, int]]
+    pending_bytes: int
+    pending_by_session: Counter[int]  # session id -> bytes its pending puts hold
+    pending_by_tenant: Counter[str]
+
+    def put_budget(self, session: Session) -> Budget:
+        """What a new put of ``session`` may reserve and evict (MetaConfig bounds)."""
+        cfg = self.cfg
+        cap = self.live_capacity()
+        alloc = min(
+            int(cfg.max_pending_per_client * cap) - self.pending_by_session[session.sid],
+            int(cfg.max_pending_total * cap) - self.pending_bytes,
+        )
+        quota = session.principal.quota_bytes
+        if quota:
+            name = session.principal.name
+            alloc = min(alloc, quota - self.tenant_bytes[name] - self.pending_by_tenant[name])
+        return Budget(max(0, alloc), int(cfg.max_evict_per_put * cap))
+
+    def put_begin(
+        self, req: wire.PutBegin, now: float, wall: float, session: Session = LOCAL
+    ) -> wire.PutPlaced:
+        ns = self._namespace(req.namespace, session.principal)
+        self._check_keys(req.keys)
+        if len(req.groups) != len(req.keys):
+            raise Refusal(E_BAD_REQUEST, "groups must have one bitmask per key")
+        allowed = (1 << ns.layout.num_groups) - 1
+        if any(m & ~allowed for m in req.groups):
+            raise Refusal(E_BAD_REQUEST, f"group bitmask outside {allowed:#x}")
+        if not -1 <= req.checkpoint_from <= len(req.keys):
+            raise Refusal(E_BAD_REQUEST, f"checkpoint_from {req.checkpoint_from} out of range")
+        self._release_quarantine(now)
+        budget = self.put_budget(session)
+        want = budget.alloc
+        plan = self.place(ns, req.keys, req.groups, now, req.checkpoint_from, budget)
+        if plan.no_space and budget.alloc < want and budget.alloc < UNBOUNDED:
+            self.counters["objects_over_bounds"] += plan.no_space
+        placed = plan.placements
+        if not placed:
+            return wire.PutPlaced(put_id=0, placements=[], servers=[], no_space=plan.no_space)
+        put_id = new_id(self.puts)
+        deadline = now + self.cfg.put_timeout_s
+        expiry_ms = wall_ms(wall, now, deadline - GRANT_MARGIN_S)
+        put = PendingPut(put_id, ns, list(req.keys), placed, deadline, session, expiry_ms)
+        self.puts[put_id] = put
+        session.puts.add(put_id)
+        self._reserve(put, +1)
+        heapq.heappush(self._put_heap, (deadline, put_id))
+        index: dict[str, int] = {}
+        servers: list[wire.ServerAddr] = []
+        placements = []
+        for block, g, srv, off, size in placed:
+            si = index.get(srv.server_id)
+            if si is None:
+                si = index[srv.server_id] = len(servers)
+                servers.append(srv.addr)
+            tag = capability.mint(srv.secret, capability.KIND_WRITE, off, size, expiry_ms)
+            placements.append(wire.Placement(block, g, si, wire.Grant(off, size, expiry_ms, tag)))
+        return wire.PutPlaced(put_id, placements, servers, plan.no_space, plan.checkpoints)
+
+    def _reserve(self, put: PendingPut, sign: int) -> None:
+        """Count (``sign`` +1) or stop counting (-1) what ``put`` holds."""
+        n = sign * put.nbytes
+        self.pending_bytes += n
+        sid = put.owner.sid
+        tenant = put.owner.principal.name
+        self.pending_by_session[sid] += n
+        if not self.pending_by_session[sid]:
+            del self.pending_by_session[sid]
+        self.pending_by_tenant[tenant] += n
+        if not self.pending_by_tenant[tenant]:
+            del self.pending_by_tenant[tenant]
+        for _, _, srv, _, size in put.placements:
+            srv.pending_bytes += sign * size
+
+    def _settle(self, put: PendingPut) -> None:
+        """``put`` is no longer pending (committed, aborted or reclaimed)."""
+        del self.puts[put.put_id]
+        put.owner.puts.discard(put.put_id)
+        self._reserve(put, -1)
+
+    def _owned_put(self, put_id: int, session: Session) -> PendingPut | None:
+        """The pending put ``put_id`` if ``session`` began it. Another session's put
+        is reported as unknown: its existence is not revealed."""
+        put = self.puts.get(put_id)
+        if put is None:
+            return None
+        if put.owner is not session:
+            self.counters["foreign_refused"] += 1
+            return None
+        return put
+
+    def put_commit(self, req: wire.PutCommit, now: float, session: Session = LOCAL) -> int:
+        put = self._owned_put(req.put_id, session)
+        if put is None:
+            raise Refusal(E_UNKNOWN_PUT, f"unknown or expired put {req.put_id}")
+        layout = put.ns.layout
+        seen: set[int] = set()
+        for pi, sums in req.done:
+            if not 0 <= pi < len(put.placements) or pi in seen:
+                raise Refusal(E_BAD_REQUEST, f"bad or repeated placement index {pi}")
+            seen.add(pi)
+            group = put.placements[pi][1]
+            want = 8 * len(layout.group_layers[group])
+            if len(sums) != want:
+                raise Refusal(
+                    E_BAD_REQUEST, f"placement {pi}: {len(sums)} checksum bytes, want {want}"
+                )
+        self._settle(put)
+        return self.commit(
+            put.ns,
+            put.keys,
+            put.placements,
+            dict(req.done),
+            now,
+            owner=put.owner.principal.name,
+            hold_until=put.deadline,
+        )
+
+    def commit(
+        self,
+        ns: NamespaceRecord,
+        key_list: list[bytes],
+        placements: list[Placed],
+        done: dict[int, bytes] | None,
+        now: float,
+        owner: str = "",
+        hold_until: float | None = None,
+    ) -> int:
+        """Make the placements written (``done``: placement index -> checksums; None:
+        all of them, without checksums, for in-process drivers) visible, their bytes
+        counted against tenant ``owner``; the rest are quarantined until
+        ``hold_until`` (their grants' end; None: no grant was minted, free at once).
+        Returns the objects committed."""
+        layout = ns.layout
+        entries = ns.entries
+        objs: list[ObjectRecord] = []
+        touched: dict[str, ServerRecord] = {}
+        added = [0] * layout.num_groups
+        last = -1
+        entry: BlockEntry | None = None
+        for pi, (block, g, srv, off, size) in enumerate(placements):
+            obj_sums = b"" if done is None else done.get(pi)
+            if obj_sums is None or not srv.alive:
+                self._put_back(srv, off, size, hold_until)
+                continue
+            if block != last or entry is None:  # placements come block by block
+                got = entries.get(key_list[block])
+                entry = got if got is not None else self._ensure_entry(ns, key_list, block)
+                last = block
+            if entry.objects[g] is not None:  # a concurrent put committed it first
+                self._put_back(srv, off, size, hold_until)
+                self.counters["objects_deduped"] += 1
+                continue
+            obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now, owner)
+            entry.objects[g] = obj
+            srv.ring(ns.ns_id).link(obj)
+            if g == ns.full_group:
+                ns.full_holes -= 1
+            srv.objects += 1
+            added[g] += size
+            objs.append(obj)
+            touched[srv.server_id] = srv
+        total = 0
+        for g, size in enumerate(added):
+            if size:
+                total += size
+                self.group_bytes[layout.group_names[g]] += size
+        self.live_bytes += total
+        if owner and total:
+            self.tenant_bytes[owner] += total
+        # Admit once everything is linked, so the policy sees the final tree.
+        admit = self.policy.admit
+        for obj in objs:
+            admit(obj, ns)
+        self.live_objects += len(objs)
+        self.counters["puts_committed"] += 1
+        self.counters["objects_committed"] += len(objs)
+        for srv in touched.values():
+            self._check_watermark(srv)
+        return len(objs)
+
+    def _put_back(self, srv: ServerRecord, off: int, size: int, hold_until: float | None) -> None:
+        if hold_until is None:
+            self._free_range(srv, off, size)
+        else:
+            self._quarantine(srv, off, size, hold_until)
+
+    def put_abort(self, put_id: int, session: Session = LOCAL) -> bool:
+        put = self._owned_put(put_id, session)
+        if put is None:
+            return False
+        self._drop_put(put)
+        self.counters["puts_aborted"] += 1
+        return True
+
+    def _drop_put(self, put: PendingPut) -> None:
+        """Forget ``put``; its ranges wait in quarantine for its grants to expire."""
+        self._settle(put)
+        for _, _, srv, off, size in put.placements:
+            self._quarantine(srv, off, size, put.deadline)
