@@ -209,6 +209,12 @@ class ServerConfig:
         "pre-fault every page of the segment at start (first writes take no page faults)",
         default=True,
     )
+    reserve: bool = _doc(
+        "reserve the segment's whole size in its tmpfs at start, so a full tmpfs fails "
+        "start-up instead of killing server and clients with SIGBUS later; off only for "
+        "index-only benchmarks that never write",
+        default=True,
+    )
     ready_file: str = _doc("write 'host port' here once registered", default="")
     # -- auth (gcache/auth.py) --
     cluster_token_file: str = _doc(

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics_port=-1,
             meta_args=["--high-watermark", "0.95", "--low-watermark", "0.9"],
             # lookup indexes blocks without writing them: a sparse segment suffices
-            server_args=["--no-populate"] if args.op == "lookup" else [],
+            server_args=["--no-populate", "--no-reserve"] if args.op == "lookup" else [],
         )
         deployment.start()
         meta, meta_grpc = deployment.meta_addr, deployment.meta_grpc

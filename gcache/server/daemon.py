@@ -212,7 +212,7 @@ class StorageServer:
         for name in Segment.remove_stale(cfg.shm_dir, self.server_id):
             log.warning("removed stale segment file %s of a dead process", name)
         path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
-        self.segment = Segment(path, cfg.capacity_bytes, populate=cfg.populate)
+        self.segment = Segment(path, cfg.capacity_bytes, populate=cfg.populate, reserve=cfg.reserve)
         self.core = DataPlaneCore(self.segment, self.secret)
         log.info(
             "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",

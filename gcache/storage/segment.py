@@ -1,14 +1,18 @@
 """The DRAM segment of a storage daemon: one file in shared memory, mapped once.
 
 The file lives in ``shm_dir`` (tmpfs, ``/dev/shm`` by default) so that a client on
-the same host can map the very same pages (the SHM transport). It is sized with
-``ftruncate`` and optionally pre-faulted (``MAP_POPULATE``) so the first writes do
-not pay page faults. Which ranges hold objects is the meta's business (it runs the
-allocator); the segment only bounds-checks and hands out views.
+the same host can map the very same pages (the SHM transport). Its whole size is
+reserved at start (``posix_fallocate``): a sparse file on a tmpfs that fills up
+later would kill the server and every client copying into it with SIGBUS, so a
+segment that does not fit fails start-up with one line instead. It is optionally
+pre-faulted (``MAP_POPULATE``) so the first writes do not pay page faults. Which
+ranges hold objects is the meta's business (it runs the allocator); the segment only
+bounds-checks and hands out views.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -30,6 +34,26 @@ def _free_bytes(directory: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def _no_room(capacity: int, where: str, free: int | None) -> str:
+    have = "" if free is None else f" ({free} bytes free)"
+    return (
+        f"a {capacity}-byte segment does not fit in {where}{have}: lower --capacity, "
+        "enlarge the tmpfs, or move --shm-dir (its space is reserved at start, so "
+        "nothing can fault later)"
+    )
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate every page of the file now (tmpfs counts them against its size), so
+    no write into the mapping can hit a full tmpfs (SIGBUS) later."""
+    while True:
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return
+        except InterruptedError:
+            continue
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -43,28 +67,32 @@ def _pid_alive(pid: int) -> bool:
 class Segment:
     __slots__ = ("_fd", "_mm", "capacity", "path", "view")
 
-    def __init__(self, path: str, capacity: int, populate: bool = False) -> None:
+    def __init__(
+        self, path: str, capacity: int, populate: bool = False, reserve: bool = True
+    ) -> None:
+        """``reserve=False`` leaves the file sparse: only for segments nothing writes
+        (index-only benchmarks); a write into it on a full tmpfs faults (SIGBUS)."""
         self.path = path
         self.capacity = capacity
-        if populate:
-            free = _free_bytes(os.path.dirname(path) or ".")
-            if free is not None and capacity > free:
-                raise GCacheError(
-                    f"a {capacity}-byte segment does not fit in {os.path.dirname(path)} "
-                    f"({free} bytes free): lower --capacity, enlarge the tmpfs, or pass "
-                    "--no-populate to map it sparse (pages are then taken on first write)"
-                )
+        where = os.path.dirname(path) or "."
+        free = _free_bytes(where)
+        if (reserve or populate) and free is not None and capacity > free:
+            raise GCacheError(_no_room(capacity, where, free))
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise GCacheError(f"cannot create segment file {path}: {exc}") from exc
         try:
             os.ftruncate(self._fd, capacity)
+            if reserve:
+                _reserve(self._fd, capacity)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             self._mm = mmap.mmap(self._fd, capacity, flags=flags)
         except OSError as exc:
             os.close(self._fd)
             os.unlink(path)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise GCacheError(_no_room(capacity, where, _free_bytes(where))) from exc
             raise GCacheError(f"cannot map a {capacity}-byte segment at {path}: {exc}") from exc
         self.view = memoryview(self._mm)
 

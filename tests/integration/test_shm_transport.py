@@ -193,3 +193,115 @@ def test_large_layers_are_copied_and_verified_off_the_loop(short_lease: LocalDep
             await c.release(m)
 
     asyncio.run(scenario())
+
+
+# ---- a tight tmpfs: clean refusals, never SIGBUS -----------------------------------
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs of our own (we run as root in CI). Skipped only where mount is
+    not permitted and CI is not set; under CI=true that is a failure."""
+    import os
+    import subprocess
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        msg = f"cannot mount a tmpfs: {r.stderr.strip()}"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _used(mnt: Path) -> int:
+    import os
+
+    st = os.statvfs(mnt)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def test_second_server_on_a_full_tmpfs_refuses_to_start_in_one_line(
+    tmp_path: Path, tiny_tmpfs: Path
+) -> None:
+    """Two 40 MiB servers with --no-populate on a 64 MiB tmpfs: the second one used
+    to start on a sparse file and die of SIGBUS (with its clients) once filled.
+    Now its space is reserved at start: it refuses in one line, and the first
+    server and its shared-memory clients fill their segment without a fault."""
+    from gcache.errors import GCacheError
+
+    d = LocalDeployment(
+        tmp_path / "d",
+        servers=1,
+        capacity="40MiB",
+        server_args=["--shm-dir", str(tiny_tmpfs), "--no-populate"],
+    )
+    with d:
+        assert _used(tiny_tmpfs) >= 40 << 20, "the first server reserved its segment"
+        with pytest.raises(GCacheError, match="exited with code 1"):
+            d.start_server(1)
+        log = (tmp_path / "d" / "server1.log").read_text()
+        assert "does not fit" in log and "Traceback" not in log, log
+        errors = [line for line in log.splitlines() if " ERROR " in line]
+        assert len(errors) == 1, log
+        # Fill the first server's segment over shared memory: no SIGBUS anywhere.
+        with GCacheClient(d.client_config(transport="shm")) as c:
+            ns = c.register_namespace("tight-tmpfs", LAYOUT)
+            for i in range(12):
+                toks = tokens(256, seed=300 + i)
+                kv = make_kv(ns.layout, len(toks), seed=300 + i)
+                c.put(ns, toks, kv)
+            toks = tokens(256, seed=400)
+            kv = make_kv(ns.layout, len(toks), seed=400)
+            assert c.put(ns, toks, kv).ok
+            m = c.match(ns, toks)
+            assert_layers_match(c.get(m), kv)
+            c.release(m)
+        assert d.servers[0].alive
+
+
+_SPARSE_WRITER = """
+import sys
+from gcache.errors import GCacheError
+from gcache.transport.shm import MappedSegment, now_ms
+try:
+    seg = MappedSegment(sys.argv[1])
+    seg.write_granted(0, seg.size, now_ms() + 60_000, [memoryview(bytes(seg.size))])
+except GCacheError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_shm_client_does_not_map_a_sparse_segment_and_never_dies_of_sigbus(
+    tiny_tmpfs: Path,
+) -> None:
+    """A segment file larger than its tmpfs, not reserved (an older server, or one
+    started with --no-reserve): copying into it used to kill the client with
+    SIGBUS inside np.copyto. The client refuses to map it instead."""
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_tmpfs / "gcache-sparse-1.seg"
+    with open(path, "wb") as fh:
+        fh.truncate(96 << 20)
+    r = subprocess.run(
+        [sys.executable, "-c", _SPARSE_WRITER, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ},
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "refused:" in r.stdout and "not fully allocated" in r.stdout, r.stdout
