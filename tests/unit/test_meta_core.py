@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gcache import keys, wire
-from gcache.config import MetaConfig
+from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, E_UNKNOWN_PUT, Refusal
 from gcache.layout import LayerSpec, Layout, LayoutSpec
 from gcache.meta.core import MetaCore
 from gcache.meta.records import LIVE
+from gcache.meta.session import LOCAL, Session
 
 WALL = 1_700_000_000.0
 MB = 1 << 20
@@ -279,3 +282,223 @@ def test_layout_with_only_windowed_layers() -> None:
     put(core, fp, toks)
     assert lookup(core, fp, toks).tokens == 24
     assert lookup(core, fp, toks[:12]).tokens == 0
+
+
+# ---- issue 9: owned ids, session end, bounded puts, quarantine, eviction, drop ------
+
+
+def begin(
+    core: MetaCore, fp: bytes, toks: list[int], session: Session = LOCAL, now: float = 1.0
+) -> wire.PutPlaced:
+    layout = core.namespaces[fp].layout
+    ks = keys.block_keys(fp, toks, layout.block_size)
+    return core.put_begin(
+        wire.PutBegin(fp, ks, layout.groups_to_store(len(ks))), now, WALL, session
+    )
+
+
+def all_done(core: MetaCore, fp: bytes, placed: wire.PutPlaced) -> list[tuple[int, bytes]]:
+    layout = core.namespaces[fp].layout
+    return [
+        (i, bytes(8 * len(layout.group_layers[p.group]))) for i, p in enumerate(placed.placements)
+    ]
+
+
+def test_put_and_lease_ids_are_random_and_only_their_session_may_use_them() -> None:
+    core = make_core()
+    fp = register(core)
+    a, b = Session("a"), Session("b")
+    p1 = begin(core, fp, list(range(8)), a)
+    p2 = begin(core, fp, list(range(100, 108)), a)
+    # Not sequential, not small: 64 random bits (old code: 1, 2, ...).
+    assert p1.put_id > 1 << 32 and p2.put_id > 1 << 32 and abs(p2.put_id - p1.put_id) > 1
+    # Another connection cannot commit or abort a's put, even knowing its id.
+    with pytest.raises(Refusal) as e:
+        core.put_commit(wire.PutCommit(p1.put_id, all_done(core, fp, p1)), 1.0, b)
+    assert e.value.code == E_UNKNOWN_PUT
+    assert not core.put_abort(p1.put_id, b)
+    assert core.put_commit(wire.PutCommit(p1.put_id, all_done(core, fp, p1)), 1.0, a) == len(
+        p1.placements
+    )
+    assert core.put_abort(p2.put_id, a)
+    res = core.lookup(wire.Lookup(fp, keys.block_keys(fp, list(range(8)), 4), True), 2.0, WALL, a)
+    assert res.lease_id > 1 << 32
+    assert not core.release(res.lease_id, b)  # not b's lease: still held
+    assert core.stats()["active_leases"] == 1 and core.counters["foreign_refused"] == 3
+    assert core.release(res.lease_id, a)
+
+
+def test_session_end_aborts_its_puts_and_releases_its_leases_at_once() -> None:
+    core = make_core(put_timeout_s=30.0, lease_ttl_s=30.0)
+    fp = register(core)
+    a, b = Session("a"), Session("b")
+    put(core, fp, list(range(8)))
+    ks = keys.block_keys(fp, list(range(8)), 4)
+    lease_a = core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, a).lease_id
+    lease_b = core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, b).lease_id
+    pending = begin(core, fp, list(range(200, 216)), a)
+    assert core.stats()["pending_puts"] == 1 and core.stats()["active_leases"] == 2
+    core.end_session(a, 2.0)  # long before put_timeout_s or lease_ttl_s
+    s = core.stats()
+    assert s["pending_puts"] == 0 and s["pending_bytes"] == 0 and s["active_leases"] == 1
+    assert core.counters["session_puts_aborted"] == 1
+    assert core.counters["session_leases_released"] == 1
+    assert not a.puts and not a.leases
+    assert lease_a not in core.leases and lease_b in core.leases
+    # The aborted put's ranges wait in quarantine for its grants to expire.
+    assert s["quarantined_bytes"] == sum(p.grant.length for p in pending.placements)
+
+
+def test_no_space_is_counted_once_when_placement_evicts_and_retries() -> None:
+    """Old code: the second placement pass (after evicting objects the put had
+    counted as stored) counted the first pass's no_space again, so stored + deduped
+    + no_space exceeded what the put asked for (PutResult.deduped went negative)."""
+    core = make_core(
+        servers=1,
+        capacity=256 << 10,
+        max_pending_per_client=1.0,
+        max_pending_total=1.0,
+        max_evict_per_put=1.0,
+    )
+    fp = register(core)
+    layout = core.namespaces[fp].layout
+    old = list(range(4 * 8))
+    put(core, fp, old)  # 8 blocks + window, committed
+    # A longer prompt over the old one that needs more than the whole server.
+    toks = old + list(range(5000, 5000 + 4 * 40))
+    ks = keys.block_keys(fp, toks, 4)
+    masks = layout.groups_to_store(len(ks))
+    asked = sum(bin(m).count("1") for m in masks)
+    before = dict(core.counters)
+    placed = core.put_begin(wire.PutBegin(fp, ks, masks), 2.0, WALL)
+    deduped = core.counters["objects_deduped"] - before.get("objects_deduped", 0)
+    no_space = core.counters["objects_no_space"] - before.get("objects_no_space", 0)
+    assert core.counters["evictions"] > before.get("evictions", 0)  # it did evict and retry
+    assert placed.no_space == no_space > 0
+    assert len(placed.placements) + deduped + placed.no_space == asked
+    assert deduped >= 0
+
+
+def test_an_uncommitted_put_cannot_flush_committed_data() -> None:
+    """Old code: one PutBegin never committed evicted every committed object and held
+    all capacity until put_timeout_s."""
+    core = make_core(servers=2, capacity=1 * MB, high_watermark=0.99, low_watermark=0.98)
+    fp = register(core)
+    for i in range(60):
+        put(core, fp, [10_000 * (i + 1) + t for t in range(16)], now=1.0 + i)
+    committed = core.live_bytes
+    cap = 2 * MB
+    assert committed > 0.85 * cap
+    evicted = core.counters["evicted_bytes"]
+    hog, other = Session("hog"), Session("other")
+    huge = list(range(4 * 2000))  # asks for ~4x the store
+    p = begin(core, fp, huge, hog, now=100.0)
+    reserved = sum(pl.grant.length for pl in p.placements)
+    assert p.no_space > 0 and reserved > 0
+    assert reserved <= 0.25 * cap  # max_pending_per_client
+    object_bytes = max(core.namespaces[fp].layout.group_object_bytes)
+    # max_evict_per_put (one block's objects may overshoot it)
+    assert core.counters["evicted_bytes"] - evicted <= 0.1 * cap + 2 * object_bytes
+    assert core.live_bytes >= committed - 0.1 * cap - 2 * object_bytes
+    # More connections of the same hog: all pending puts together stay bounded.
+    more = [
+        begin(core, fp, [t + 100_000 * k for t in huge], Session(f"h{k}"), 101.0)
+        for k in range(1, 5)
+    ]
+    total = reserved + sum(pl.grant.length for q in more for pl in q.placements)
+    assert total <= 0.5 * cap
+    assert core.stats()["pending_bytes"] == total
+    # Others' committed data is still there and served.
+    assert lookup(core, fp, [10_000 * 60 + t for t in range(16)], now=102.0).tokens == 16
+    assert core.put_abort(p.put_id, hog) and not core.put_abort(p.put_id, other)
+
+
+def test_quarantined_ranges_are_not_reused_until_their_grants_expired() -> None:
+    core = make_core(servers=1, capacity=1 * MB, put_timeout_s=10.0, heartbeat_timeout_s=60.0)
+    fp = register(core)
+    a = Session("a")
+    p = begin(core, fp, list(range(16)), a, now=1.0)
+    ranges = {(pl.grant.offset, pl.grant.length) for pl in p.placements}
+    expiry_ms = p.placements[0].grant.expiry_ms
+    assert core.put_abort(p.put_id, a)
+    srv = core.servers["s0"]
+    assert srv.quarantined_bytes == sum(n for _, n in ranges)
+    # Until the grants expired, no new put is given those ranges.
+    for i in range(5):
+        q = begin(core, fp, [1000 * (i + 1) + t for t in range(16)], now=2.0 + i)
+        assert not ranges & {(pl.grant.offset, pl.grant.length) for pl in q.placements}
+        core.put_commit(wire.PutCommit(q.put_id, all_done(core, fp, q)), 2.0 + i)
+    # The grants expire GRANT_MARGIN_S before the deadline (1.0 + 10.0).
+    assert expiry_ms <= int((WALL + 10.0 - GRANT_MARGIN_S) * 1000)
+    core.tick(10.9)
+    assert srv.quarantined_bytes > 0
+    core.tick(11.0)
+    assert srv.quarantined_bytes == 0 and core.stats()["quarantined_ranges"] == 0
+    assert ranges <= set(srv.freed)  # and reported to the server as freed
+
+
+def test_unwritten_placements_at_commit_are_quarantined() -> None:
+    core = make_core(servers=1, put_timeout_s=10.0, heartbeat_timeout_s=60.0)
+    fp = register(core)
+    p = begin(core, fp, list(range(16)), now=1.0)
+    done = all_done(core, fp, p)[:2]
+    assert core.put_commit(wire.PutCommit(p.put_id, done), 1.0) == 2
+    left = sum(pl.grant.length for pl in p.placements[2:])
+    assert core.servers["s0"].quarantined_bytes == left
+    core.tick(11.0)
+    assert core.servers["s0"].quarantined_bytes == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost"])
+def test_fresh_prompt_survives_an_old_prompt_split_across_servers(policy: str) -> None:
+    """Old code: per-server eviction order. An old long prompt with interior blocks
+    on one server and its leaf on the other is not evictable on the first server,
+    so each fresh prompt was evicted right after its commit."""
+    core = make_core(
+        servers=2,
+        capacity=1 * MB,
+        eviction_policy=policy,
+        max_pending_per_client=1.0,
+        max_pending_total=1.0,
+    )
+    fp = register(core)
+    ns = core.namespaces[fp]
+    old = list(range(4 * 100))
+    put(core, fp, old, now=1.0)
+    servers_of_old = {
+        o.server.server_id
+        for k in keys.block_keys(fp, old, 4)
+        for o in ns.entries[k].objects
+        if o is not None
+    }
+    assert servers_of_old == {"s0", "s1"}
+    survived = 0
+    for i in range(40):
+        toks = [100_000 * (i + 1) + t for t in range(4 * 12)]
+        put(core, fp, toks, now=10.0 + i)
+        survived += lookup(core, fp, toks, now=10.0 + i).tokens == len(toks)
+    assert core.counters["evictions"] > 0
+    assert survived == 40
+
+
+def test_drop_server_walks_only_its_own_objects() -> None:
+    """Old code: dropping a server walked every entry of every namespace on the
+    event loop (seconds at millions of blocks)."""
+    core = make_core(servers=1, capacity=1 << 30, high_watermark=0.99, low_watermark=0.98)
+    fp = register(core, sp=spec(block_size=4))
+    for i in range(400):  # a large index on s0: ~20k entries
+        put(core, fp, [1_000_000 * (i + 1) + t for t in range(4 * 50)], now=1.0)
+    addr = wire.ServerAddr("small", "127.0.0.1", 9100, "host", "/dev/shm/small")
+    small = core.register_server(addr, bytes(16), 1, 4 << 30, 1.0)
+    # Give the new server a handful of objects (it has the most free space).
+    put(core, fp, list(range(4 * 3)), now=2.0)
+    assert 0 < small.objects < 10
+    entries = core.entries
+    t0 = time.perf_counter()
+    core.drop_server(small, "test")
+    took = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sum(1 for e in core.namespaces[fp].entries.values() for _ in e.objects)  # one full walk
+    walk = time.perf_counter() - t0
+    assert took < walk / 20, (took, walk)
+    assert core.entries < entries and "small" not in core.servers
