@@ -108,6 +108,33 @@ def _check_hostport(where: str, value: str) -> None:
         raise ConfigError(f"{where} must be host:port with a port in 1..65535, got {value!r}")
 
 
+# Bounds of the connection settings both daemons have (gcache/transport).
+MIN_BODY = 4 << 10
+MAX_BODY = 32 << 20  # the wire's own limit (wire.MAX_BODY)
+MAX_CONNECTIONS = 1 << 20
+
+
+def _check_connections(cfg: Any) -> None:
+    section = _SECTIONS[type(cfg)]
+    try:
+        body = parse_size(cfg.max_body)
+    except ConfigError as exc:
+        raise ConfigError(f"{section}.max_body: {exc}") from exc
+    if not MIN_BODY <= body <= MAX_BODY:
+        raise ConfigError(
+            f"{section}.max_body must be between 4KiB and 32MiB, got {cfg.max_body!r}"
+        )
+    if not 1 <= cfg.max_connections <= MAX_CONNECTIONS:
+        raise ConfigError(
+            f"{section}.max_connections must be in 1..{MAX_CONNECTIONS}, got {cfg.max_connections}"
+        )
+    if not 1 <= cfg.max_connections_per_peer <= cfg.max_connections:
+        raise ConfigError(
+            f"{section}.max_connections_per_peer must be in 1..max_connections "
+            f"({cfg.max_connections}), got {cfg.max_connections_per_peer}"
+        )
+
+
 @dataclass(frozen=True)
 class MetaConfig:
     host: str = _doc("address the hot path and gRPC listen on", default="127.0.0.1")
@@ -157,9 +184,27 @@ class MetaConfig:
     )
     tls_cert: str = _doc("PEM certificate of the gRPC port (TLS on when set)", default="")
     tls_key: str = _doc("PEM private key of tls_cert", default="")
+    # -- connections (gcache/transport) --
+    max_body: str = _doc(
+        "largest frame body the hot path accepts (a PutBegin of max_keys_per_request "
+        "keys needs about 28 bytes a key)",
+        default="4MiB",
+    )
+    idle_timeout_s: float = _doc(
+        "close a hot-path connection that sends no frame for this long", default=300.0
+    )
+    max_connections: int = _doc("hot-path connections open at once", default=4096)
+    max_connections_per_peer: int = _doc(
+        "hot-path connections open at once from one address", default=1024
+    )
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_size(self.max_body)
 
     def check(self) -> None:
         _check_fields(self)
+        _check_connections(self)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key go together")
         if not self.low_watermark < self.high_watermark:
@@ -222,6 +267,19 @@ class ServerConfig:
         default="",
     )
     tls_ca: str = _doc("PEM CA certificate of the meta's gRPC port (TLS on when set)", default="")
+    # -- connections (gcache/transport) --
+    max_body: str = _doc("largest frame body the data plane accepts", default="32MiB")
+    idle_timeout_s: float = _doc(
+        "close a data-plane connection that sends no frame for this long", default=300.0
+    )
+    max_connections: int = _doc("data-plane connections open at once", default=4096)
+    max_connections_per_peer: int = _doc(
+        "data-plane connections open at once from one address", default=1024
+    )
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_size(self.max_body)
 
     @property
     def capacity_bytes(self) -> int:
@@ -229,6 +287,7 @@ class ServerConfig:
 
     def check(self) -> None:
         _check_fields(self)
+        _check_connections(self)
         try:
             capacity = self.capacity_bytes
         except ConfigError as exc:

@@ -20,7 +20,16 @@ from gcache.errors import (
 )
 from gcache.meta.core import MetaCore
 from gcache.meta.session import Session
-from gcache.transport.stream import FrameStream
+from gcache.transport.framing import peek_array_field
+from gcache.transport.limits import (
+    Conn,
+    ConnectionLimiter,
+    RateLimitedLog,
+    idle_sweeper,
+    peer_host,
+    refuse,
+)
+from gcache.transport.stream import BodyCheck, FrameStream
 
 log = logging.getLogger("gcache.meta.hotpath")
 
@@ -48,24 +57,61 @@ def dispatch(core: MetaCore, session: Session, msg_type: int, msg: Any) -> wire.
     raise Refusal(E_BAD_REQUEST, f"message type {msg_type} not served by the meta")
 
 
+def key_count_check(max_keys: int) -> BodyCheck:
+    """Refuse a ``Lookup``/``PutBegin`` by the declared length of its key list
+    (field 1), read from the raw body before msgspec decodes a single key."""
+
+    def check(head: wire.FrameHead, body: memoryview) -> None:
+        if head.msg_type == wire.T_LOOKUP or head.msg_type == wire.T_PUT_BEGIN:
+            n = peek_array_field(body, 1)
+            if n is not None and n > max_keys:
+                raise InvalidBody(f"{n} keys exceed max_keys_per_request ({max_keys})")
+
+    return check
+
+
 class HotPathServer:
     def __init__(self, core: MetaCore, listener: socket.socket) -> None:
         self.core = core
         self.listener = listener
         self.connections: set[asyncio.Task[None]] = set()
         self.protocol_errors = 0
+        cfg = core.cfg
+        self.max_body = cfg.max_body_bytes
+        self.limiter = ConnectionLimiter(
+            cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
+        )
+        # Lines a remote peer can provoke at will: bounded rate.
+        self.bad_frame_log = RateLimitedLog(log)
+        self.refused_log = RateLimitedLog(log)
+        self.check_body = key_count_check(cfg.max_keys_per_request)
 
-    async def serve_connection(self, sock: socket.socket) -> None:
-        stream = FrameStream(sock)
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.limiter.stats(),
+            "protocol_errors": self.protocol_errors,
+            **self.bad_frame_log.stats("bad_frames"),
+            **self.refused_log.stats("refused_connections"),
+        }
+
+    async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
+        stream = FrameStream(sock, max_body=self.max_body)
+        if conn is not None:
+            conn.close = stream.close  # the idle sweeper closes the stream
         core = self.core
+        check_body = self.check_body
         session = Session(peer=str(stream.peer))
         try:
             while True:
+                if conn is not None:
+                    conn.idle_since = time.monotonic()
                 head = await stream.recv_head()
                 if head is None:
                     return
                 try:
-                    msg = await stream.recv_body(head)
+                    msg = await stream.recv_body(head, check_body)
+                    if conn is not None:
+                        conn.idle_since = None  # in flight until answered
                 except InvalidBody as exc:  # the frame was read whole: answer, go on
                     core.counters["refused"] += 1
                     await stream.send_msg(wire.Error(E_BAD_REQUEST, str(exc)), head.req_id)
@@ -82,7 +128,9 @@ class HotPathServer:
         except ProtocolError as exc:
             self.protocol_errors += 1
             core.counters["protocol_errors"] += 1
-            log.warning("closing hot-path connection from %s: %s", stream.peer, exc)
+            self.bad_frame_log.log(
+                time.monotonic(), "closing hot-path connection from %s: %s", stream.peer, exc
+            )
         except GCacheError as exc:
             log.debug("hot-path connection from %s ended: %s", stream.peer, exc)
         except Exception:  # a bug must cost one connection, never the daemon
@@ -90,21 +138,38 @@ class HotPathServer:
         finally:
             core.end_session(session, time.monotonic())  # its puts aborted, leases released
             stream.close()
+            if conn is not None:
+                self.limiter.release(conn)
 
     async def accept_loop(self) -> None:
+        """Accept, admit through the connection limits (an excess connection gets
+        one ERROR frame and is closed), serve; close idle connections meanwhile."""
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(self.listener)
-            except OSError as exc:
-                if self.listener.fileno() < 0:
-                    return
-                log.warning("accept failed: %s", exc)
-                await asyncio.sleep(0.05)
-                continue
-            task = asyncio.create_task(self.serve_connection(sock))
-            self.connections.add(task)
-            task.add_done_callback(self.connections.discard)
+        sweeper = asyncio.create_task(idle_sweeper(self.limiter))
+        try:
+            while True:
+                try:
+                    sock, addr = await loop.sock_accept(self.listener)
+                except OSError as exc:
+                    if self.listener.fileno() < 0:
+                        return
+                    self.refused_log.log(time.monotonic(), "hot path: accept failed: %s", exc)
+                    await asyncio.sleep(0.05)
+                    continue
+                now = time.monotonic()
+                conn = self.limiter.admit(peer_host(addr), sock.close, now)
+                if isinstance(conn, str):
+                    self.refused_log.log(
+                        now, "hot path: refused a connection from %s: %s", addr, conn
+                    )
+                    refuse(sock, conn)
+                    continue
+                task = asyncio.create_task(self.serve_connection(sock, conn))
+                self.connections.add(task)
+                task.add_done_callback(self.connections.discard)
+        finally:
+            sweeper.cancel()
+
 
     async def close(self) -> None:
         self.listener.close()

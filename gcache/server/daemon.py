@@ -27,6 +27,14 @@ from gcache.config import ServerConfig
 from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal
 from gcache.server.core import DataPlaneCore
 from gcache.storage.segment import Segment
+from gcache.transport.limits import (
+    Conn,
+    ConnectionLimiter,
+    RateLimitedLog,
+    idle_sweeper,
+    peer_host,
+    refuse,
+)
 from gcache.transport.stream import FrameStream
 
 log = logging.getLogger("gcache.server")
@@ -49,20 +57,41 @@ class StorageServer:
         self.connections: set[asyncio.Task[None]] = set()
         self.total_connections = 0
         self.protocol_errors = 0
+        self.limiter = ConnectionLimiter(
+            cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
+        )
+        # Lines a remote peer can provoke at will: bounded rate.
+        self.bad_frame_log = RateLimitedLog(log)
+        self.refused_log = RateLimitedLog(log)
         self._stopping = asyncio.Event()
 
     # ---- data plane --------------------------------------------------------------
 
-    async def serve_connection(self, sock: socket.socket) -> None:
-        stream = FrameStream(sock)
+    def stats(self) -> dict[str, int]:
+        """Connection counters of the data plane (the core keeps its own)."""
+        return {
+            **self.limiter.stats(),
+            "protocol_errors": self.protocol_errors,
+            **self.bad_frame_log.stats("bad_frames"),
+            **self.refused_log.stats("refused_connections"),
+        }
+
+    async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
+        stream = FrameStream(sock, max_body=self.cfg.max_body_bytes)
+        if conn is not None:
+            conn.close = stream.close  # the idle sweeper closes the stream
         core = self.core
         assert core is not None
         try:
             while True:
+                if conn is not None:
+                    conn.idle_since = time.monotonic()
                 head = await stream.recv_head()
                 if head is None:
                     return
                 msg = await stream.recv_body(head)
+                if conn is not None and not head.payload_len:
+                    conn.idle_since = None  # a whole frame: in flight until answered
                 now_ms = int(time.time() * 1000)
                 if head.msg_type == wire.T_WRITE:
                     try:
@@ -76,6 +105,8 @@ class StorageServer:
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
                     await stream.recv_into(target)
+                    if conn is not None:
+                        conn.idle_since = None  # the payload is in: the frame is whole
                     await stream.send_msg(wire.Ok(core.receipt(msg.grant)), head.req_id)
                 elif head.msg_type == wire.T_READ:
                     try:
@@ -102,30 +133,47 @@ class StorageServer:
                     )
         except ProtocolError as exc:
             self.protocol_errors += 1
-            log.warning("closing connection from %s: protocol error: %s", stream.peer, exc)
+            self.bad_frame_log.log(
+                time.monotonic(), "closing connection from %s: protocol error: %s", stream.peer, exc
+            )
         except GCacheError as exc:
             log.info("connection from %s ended: %s", stream.peer, exc)
         except Exception:  # a bug must cost one connection, never the daemon
             log.exception("internal error on connection from %s", stream.peer)
         finally:
             stream.close()
+            if conn is not None:
+                self.limiter.release(conn)
 
     async def accept_loop(self) -> None:
+        """Accept, admit through the connection limits (an excess connection gets
+        one ERROR frame and is closed), serve; close idle connections meanwhile."""
         loop = asyncio.get_running_loop()
         assert self.listener is not None
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(self.listener)
-            except OSError as exc:
-                if self._stopping.is_set():
-                    return
-                log.warning("accept failed: %s", exc)
-                await asyncio.sleep(0.05)
-                continue
-            self.total_connections += 1
-            task = asyncio.create_task(self.serve_connection(sock))
-            self.connections.add(task)
-            task.add_done_callback(self.connections.discard)
+        sweeper = asyncio.create_task(idle_sweeper(self.limiter))
+        try:
+            while True:
+                try:
+                    sock, addr = await loop.sock_accept(self.listener)
+                except OSError as exc:
+                    if self._stopping.is_set():
+                        return
+                    self.refused_log.log(time.monotonic(), "accept failed: %s", exc)
+                    await asyncio.sleep(0.05)
+                    continue
+                now = time.monotonic()
+                conn = self.limiter.admit(peer_host(addr), sock.close, now)
+                if isinstance(conn, str):
+                    self.refused_log.log(now, "refused a connection from %s: %s", addr, conn)
+                    refuse(sock, conn)
+                    continue
+                self.total_connections += 1
+                task = asyncio.create_task(self.serve_connection(sock, conn))
+                self.connections.add(task)
+                task.add_done_callback(self.connections.discard)
+        finally:
+            sweeper.cancel()
+
 
     # ---- control plane -----------------------------------------------------------
 

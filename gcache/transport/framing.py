@@ -208,17 +208,20 @@ def _skip_scalar(body: memoryview, pos: int) -> int:
     return pos + 1 + width + int.from_bytes(body[pos + 1 : pos + 1 + width], "big")
 
 
-def peek_array_field(body: memoryview, index: int) -> int:
+def peek_array_field(body: memoryview, index: int) -> int | None:
     """Declared length of the array that is field ``index`` of an array-encoded body,
     read from the raw bytes without decoding (the fields before it must be scalars).
     Lets a daemon refuse a key list by its header before decoding a million keys.
-    Raises :class:`InvalidBody` when the body does not have that shape."""
-    n, pos = _array_len(body, 0)
-    if n <= index:
-        raise InvalidBody(f"body has {n} fields, expected more than {index}")
-    for _ in range(index):
-        pos = _skip_scalar(body, pos)
-    return _array_len(body, pos)[0]
+    ``None`` when the body does not have that shape (the decoder then says why)."""
+    try:
+        n, pos = _array_len(body, 0)
+        if n <= index:
+            return None
+        for _ in range(index):
+            pos = _skip_scalar(body, pos)
+        return _array_len(body, pos)[0]
+    except InvalidBody:
+        return None
 
 
 # ---- sending and scattering -------------------------------------------------------------
