@@ -10,11 +10,17 @@ from hypothesis import strategies as st
 
 from gcache import keys, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
-from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, E_UNKNOWN_PUT, Refusal
+from gcache.errors import (
+    E_ACCESS_DENIED,
+    E_BAD_REQUEST,
+    E_UNKNOWN_NAMESPACE,
+    E_UNKNOWN_PUT,
+    Refusal,
+)
 from gcache.layout import LayerSpec, Layout, LayoutSpec
 from gcache.meta.core import MetaCore
 from gcache.meta.records import LIVE
-from gcache.meta.session import LOCAL, Session
+from gcache.meta.session import LOCAL, Principal, Session
 
 WALL = 1_700_000_000.0
 MB = 1 << 20
@@ -502,3 +508,35 @@ def test_drop_server_walks_only_its_own_objects() -> None:
     walk = time.perf_counter() - t0
     assert took < walk / 20, (took, walk)
     assert core.entries < entries and "small" not in core.servers
+
+
+def test_tenants_use_only_their_namespaces_and_stay_within_their_quota() -> None:
+    core = make_core(servers=2, capacity=1 * MB)
+    mine = core.register_namespace({"model": "m", "cache_salt": "acme/x"}, spec()).fingerprint
+    theirs = core.register_namespace({"model": "m", "cache_salt": "beta/y"}, spec()).fingerprint
+    acme = Session("acme", Principal("acme", ("acme/",), quota_bytes=128 << 10))
+    beta = Session("beta", Principal("beta", ("beta/",)))
+    ks = keys.block_keys(theirs, list(range(8)), 4)
+    for call in (
+        lambda: core.put_begin(wire.PutBegin(theirs, ks, [1, 3]), 1.0, WALL, acme),
+        lambda: core.lookup(wire.Lookup(theirs, ks, True), 1.0, WALL, acme),
+        lambda: core.evict_keys(theirs, ks, 0b11, acme.principal),
+    ):
+        with pytest.raises(Refusal) as e:
+            call()
+        assert e.value.code == E_ACCESS_DENIED
+    # beta's data, committed first, must survive acme's puts past its quota.
+    pb = begin(core, theirs, list(range(64)), beta)
+    core.put_commit(wire.PutCommit(pb.put_id, all_done(core, theirs, pb)), 1.0, beta)
+    beta_bytes = core.tenant_bytes["beta"]
+    assert beta_bytes > 0
+    stored = 0
+    for i in range(20):
+        p = begin(core, mine, [1000 * (i + 1) + t for t in range(64)], acme, now=2.0 + i)
+        if p.placements:
+            stored += core.put_commit(wire.PutCommit(p.put_id, all_done(core, mine, p)), 2.0, acme)
+        # committed + pending never past the quota
+        assert core.tenant_bytes["acme"] + core.pending_by_tenant["acme"] <= 128 << 10
+    assert stored > 0 and core.counters["objects_over_bounds"] > 0
+    assert core.tenant_bytes["beta"] == beta_bytes  # nothing of beta's evicted
+    assert lookup(core, theirs, list(range(64)), now=30.0).tokens == 64
