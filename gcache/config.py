@@ -405,9 +405,13 @@ def load(
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     if file:
-        for key, val in _read_file(file)[cls].items():
+        for other, body in _read_file(file).items():
             try:
-                values[key] = _convert(cls, key, val)
+                converted = {key: _convert(other, key, val) for key, val in body.items()}
+                if other is cls:
+                    values.update(converted)
+                elif body:  # the other sections of the file must be valid too
+                    other(**converted).check()
             except ConfigError as exc:
                 raise ConfigError(f"{file}: {exc}") from exc
     prefix = f"GCACHE_{section.upper()}_"

@@ -37,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("op", choices=["write", "read", "get_layers", "lookup"])
     size = p.add_mutually_exclusive_group()
-    size.add_argument("-s", "--size", help="message size (e.g. 65536, 1MiB)")
+    size.add_argument(
+        "-s",
+        "--size",
+        help="message size: bytes, or K/M/G binary (1M = 1MiB = 1048576), KB/MB decimal",
+    )
     size.add_argument("-a", "--all", action="store_true", help="sweep 4 KiB .. 64 MiB")
     dur = p.add_mutually_exclusive_group()
     dur.add_argument("-n", "--iters", type=int, help="iterations per size (default 1000)")
@@ -88,8 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_addr(flag: str, value: str | None) -> None:
+    host, sep, port = (value or "h:1").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise SystemExit(f"gcache-bench: {flag} must be HOST:PORT, got {value!r}")
+
+
 def check_args(args: argparse.Namespace) -> list[int]:
     """Validate; returns the sizes to run. Raises SystemExit with a message."""
+    _check_addr("--meta", args.meta)
+    _check_addr("--meta-grpc", args.meta_grpc)
+    if args.meta and not args.meta_grpc and int(args.meta.rpartition(":")[2]) >= 65535:
+        raise SystemExit("gcache-bench: give --meta-grpc (the hot-path port + 1 is no port)")
     if args.qd < 1 or args.clients < 1 or args.batch < 1:
         raise SystemExit("gcache-bench: --qd, --clients and --batch must be >= 1")
     if args.iters is not None and args.iters < 1:

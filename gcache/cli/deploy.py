@@ -4,6 +4,7 @@ both use it."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.config import ClientConfig
 from gcache.errors import GCacheError
+from gcache.startup import one_line
 
 
 @dataclass
@@ -85,8 +87,8 @@ class LocalDeployment:
                 return ready.read_text().split()
             if not proc.alive:
                 raise GCacheError(
-                    f"{proc.name} exited with code {proc.popen.returncode}; see {proc.log_path}:\n"
-                    + proc.log_path.read_text()[-2000:]
+                    f"{proc.name} exited with code {proc.popen.returncode}: "
+                    f"{last_error(proc.log_path)} (log: {proc.log_path})"
                 )
             time.sleep(0.02)
         raise GCacheError(f"{proc.name} not ready within the timeout; see {proc.log_path}")
@@ -165,7 +167,13 @@ class LocalDeployment:
                 *self.server_args,
             ],
         )
-        _, p = self._wait_ready(proc, ready, deadline)
+        try:
+            _, p = self._wait_ready(proc, ready, deadline)
+        except BaseException:  # not listed in self.servers yet: stop() would miss it
+            if proc.alive:
+                proc.popen.kill()
+            proc.popen.wait()
+            raise
         proc.port = int(p)
         if i < len(self.servers):
             self.servers[i] = proc
@@ -236,9 +244,30 @@ class LocalDeployment:
         return fetch_stats(self.meta_grpc)
 
 
+_LOG_PREFIX = re.compile(r"^\S+ \S+ (?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
+def last_error(log_path: Path) -> str:
+    """The one line a daemon that failed to start wrote last (its error), without
+    the log's time/level prefix."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()]
+    except OSError as exc:
+        return f"its log cannot be read: {exc.strerror}"
+    lines = [ln for ln in lines if ln]
+    return _LOG_PREFIX.sub("", lines[-1]) if lines else "no output"
+
+
+def rpc_error_text(exc: grpc.RpcError) -> str:
+    """One line for a failed gRPC call: ``UNAVAILABLE: failed to connect ...``."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    return one_line(f"{code.name if code else 'error'}: {details}")
+
+
 def fetch_stats(meta_grpc: str, timeout: float = 5.0) -> Any:
     with grpc.insecure_channel(meta_grpc) as channel:
         try:
             return pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout)
         except grpc.RpcError as exc:
-            raise GCacheError(f"cannot reach meta at {meta_grpc}: {exc}") from exc
+            raise GCacheError(f"cannot reach meta at {meta_grpc}: {rpc_error_text(exc)}") from exc

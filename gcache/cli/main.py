@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -11,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from gcache.cli.deploy import LocalDeployment, fetch_stats
-from gcache.config import ClientConfig
-from gcache.errors import GCacheError
+from gcache.config import ClientConfig, MetaConfig, ServerConfig, load
+from gcache.errors import ConfigError, GCacheError
+from gcache.startup import EXIT_CONFIG, EXIT_INTERRUPTED, one_line
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a C tool's shell status would be
 
 
 def _fmt_bytes(n: float) -> str:
@@ -23,7 +27,36 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def up_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> None:
+    """Fill ``gcache up``'s unset address flags from the daemons' environment
+    variables (GCACHE_META_HOST, GCACHE_META_PORT, GCACHE_META_GRPC_PORT,
+    GCACHE_META_METRICS_PORT, GCACHE_SERVER_PORT), else the defaults; every value
+    is checked as the daemons check it, so a bad one fails in one line naming it."""
+    meta = load(MetaConfig, env=env)
+    server = load(ServerConfig, env=env)
+    flags = {"host": meta.host, "meta_port": meta.port, "grpc_port": meta.grpc_port}
+    flags |= {"metrics_port": meta.metrics_port, "server_port": server.port}
+    for name, value in flags.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    load(
+        MetaConfig,
+        env={},
+        overrides={
+            "host": args.host,
+            "port": args.meta_port,
+            "grpc_port": args.grpc_port,
+            "metrics_port": args.metrics_port,
+        },
+    )
+    last = args.server_port + max(args.servers - 1, 0) if args.server_port else 0
+    load(ServerConfig, env={}, overrides={"port": last})
+    if args.servers < 1:
+        raise ConfigError(f"--servers must be >= 1, got {args.servers}")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    up_settings(args)
     ports = [args.server_port + i if args.server_port else 0 for i in range(args.servers)]
     d = LocalDeployment(
         args.data_dir,
@@ -37,18 +70,25 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     stop = {"signal": 0}
+    serving = {"now": False}
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop["signal"] = signum
+        if not serving["now"]:  # starting or running the demo: stop right away
+            raise _Interrupted(signum)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         d.start(timeout=args.timeout)
     except GCacheError as exc:
-        print(f"gcache up: {exc}", file=sys.stderr)
-        d.stop()
+        print(f"gcache up: {one_line(exc)}{_up_hint(str(exc))}", file=sys.stderr)
+        _quiet_stop(d)
         return 1
+    except _Interrupted:
+        codes = _quiet_stop(d)
+        print(f"gcache up: interrupted while starting; stopped: {_codes(codes)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         print("GCache is up:")
         print(f"  meta hot path   {d.meta_addr}")
@@ -66,6 +106,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print()
             print_status(d.stats())
         print("\nserving; Ctrl-C to stop", flush=True)
+        serving["now"] = True
         while not stop["signal"]:
             for p in [d.meta, *d.servers]:
                 if p is not None and not p.alive:
@@ -75,10 +116,50 @@ def cmd_up(args: argparse.Namespace) -> int:
                     )
                     stop["signal"] = -1
             time.sleep(0.2)
+    except _Interrupted:
+        pass
+    except GCacheError as exc:
+        print(f"gcache up: {one_line(exc)}", file=sys.stderr)
+        stop["signal"] = -1
     finally:
-        codes = d.stop()
-        print(f"stopped: {', '.join(f'{k}={v}' for k, v in codes.items())}", flush=True)
+        codes = _quiet_stop(d)
+        print(f"stopped: {_codes(codes)}", flush=True)
     return 0 if stop["signal"] != -1 else 1
+
+
+class _Interrupted(Exception):
+    """SIGINT/SIGTERM while ``gcache up`` starts or runs its demo."""
+
+
+def _quiet_stop(d: LocalDeployment) -> dict[str, int | None]:
+    """Stop the deployment with SIGINT/SIGTERM ignored, so a second Ctrl-C cannot
+    leave processes behind."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return d.stop()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _codes(codes: dict[str, int | None]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in codes.items()) or "nothing was running"
+
+
+_UP_FLAGS = {
+    "meta.port": "--meta-port",
+    "meta.grpc_port": "--grpc-port",
+    "meta.metrics_port": "--metrics-port",
+    "server.port": "--server-port",
+}
+
+
+def _up_hint(message: str) -> str:
+    """For a port ``gcache up`` could not listen on: its flag for another port."""
+    for setting, flag in _UP_FLAGS.items():
+        if f"({setting}," in message:
+            return f"; gcache up {flag} PORT picks another (0: any free)"
+    return ""
 
 
 def run_workloads(cfg: ClientConfig, which: str, conversations: int, turns: int) -> bool:
@@ -117,17 +198,31 @@ def run_workloads(cfg: ClientConfig, which: str, conversations: int, turns: int)
 
 
 def print_status(reply: Any) -> None:
+    """Per server: what it holds, the reads it served over TCP and the writes it
+    took (TCP WRITEs and sealed shared-memory writes). Shared-memory readers never
+    talk to a server, so reads are also shown as the meta counts them: objects and
+    bytes handed out by leased lookups, whichever path then read them. Sizes in
+    binary units (KiB, MiB, GiB)."""
     print(
         f"{'server':<12} {'address':<22} {'alive':<6} {'capacity':>11} {'used':>11} "
-        f"{'objects':>8} {'reads':>8} {'writes':>8}"
+        f"{'objects':>8} {'tcp reads':>10} {'tcp read':>11} {'writes':>8} {'written':>11}"
     )
     for s in reply.servers:
+        k = s.counters
         print(
             f"{s.server_id:<12} {s.address:<22} {'yes' if s.alive else 'NO':<6} "
             f"{_fmt_bytes(s.capacity):>11} {_fmt_bytes(s.used):>11} {s.objects:>8} "
-            f"{s.counters.reads:>8} {s.counters.writes:>8}"
+            f"{k.reads:>10} {_fmt_bytes(k.read_bytes):>11} {k.writes:>8} "
+            f"{_fmt_bytes(k.write_bytes):>11}"
         )
     c = dict(reply.counters)
+    if "leased_objects" in c:
+        print(
+            f"leased to readers (TCP and shared memory): {int(c['leased_objects'])} objects, "
+            f"{_fmt_bytes(c.get('leased_bytes', 0))}"
+        )
+    else:
+        print("leased to readers: not counted by this meta (shared-memory reads not shown)")
     lookups = c.get("lookup_blocks", 0)
     print(
         f"namespaces {reply.namespaces}, objects {int(c.get('objects', 0))}, "
@@ -144,11 +239,7 @@ def print_status(reply: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    try:
-        reply = fetch_stats(args.meta_grpc)
-    except GCacheError as exc:
-        print(f"gcache status: {exc}", file=sys.stderr)
-        return 1
+    reply = fetch_stats(args.meta_grpc)
     if args.json:
         from google.protobuf.json_format import MessageToDict
 
@@ -160,6 +251,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     cfg = ClientConfig(meta=args.meta, meta_grpc=args.meta_grpc)
+    cfg.check()
+    try:  # before loading a model: fail in one line when nothing runs there
+        fetch_stats(args.meta_grpc, timeout=3.0)
+    except GCacheError as exc:
+        raise GCacheError(f"{exc}; start a deployment first (gcache up)") from exc
     return 0 if run_workloads(cfg, args.workload, args.conversations, args.turns) else 1
 
 
@@ -174,21 +270,33 @@ def main(argv: list[str] | None = None) -> None:
         "they are healthy, print the endpoints, serve until Ctrl-C/SIGTERM.",
     )
     up.add_argument("--servers", type=int, default=2, help="storage daemons (default 2)")
-    up.add_argument("--capacity", default="1GiB", help="DRAM segment per server (default 1GiB)")
-    up.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    up.add_argument("--meta-port", type=int, default=7700, help="hot-path port (0: any free)")
-    up.add_argument("--grpc-port", type=int, default=7701, help="gRPC port (0: any free)")
+    up.add_argument(
+        "--capacity",
+        default="1GiB",
+        help="DRAM segment per server (default 1GiB; 1G = 1GiB, 1GB = 10**9 bytes)",
+    )
+    up.add_argument("--host", help="listen address (default $GCACHE_META_HOST, else 127.0.0.1)")
+    up.add_argument(
+        "--meta-port",
+        type=int,
+        help="hot-path port (default $GCACHE_META_PORT, else 7700; 0: any free)",
+    )
+    up.add_argument(
+        "--grpc-port",
+        type=int,
+        help="gRPC port (default $GCACHE_META_GRPC_PORT, else 7701; 0: any free)",
+    )
     up.add_argument(
         "--metrics-port",
         type=int,
-        default=7702,
-        help="Prometheus /metrics port (0: any free, -1: off)",
+        help="Prometheus /metrics port (default $GCACHE_META_METRICS_PORT, else 7702; "
+        "0: any free, -1: off)",
     )
     up.add_argument(
         "--server-port",
         type=int,
-        default=7800,
-        help="first server port, server i gets +i (0: any free)",
+        help="first server port, server i gets +i (default $GCACHE_SERVER_PORT, else "
+        "7800; 0: any free)",
     )
     up.add_argument("--data-dir", default="gcache-data", help="logs and ready files")
     up.add_argument("--timeout", type=float, default=30.0, help="seconds to become healthy")
@@ -222,7 +330,36 @@ def main(argv: list[str] | None = None) -> None:
     add_replay(sub)
 
     args = parser.parse_args(argv)
-    raise SystemExit(args.func(args))
+    raise SystemExit(run_command(f"gcache {args.cmd}", args.func, args))
+
+
+def run_command(prog: str, func: Any, args: argparse.Namespace) -> int:
+    """Run one subcommand; every failure is one line on stderr, never a traceback
+    (``GCACHE_DEBUG=1`` shows it for a bug report)."""
+    try:
+        code = int(func(args))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # `gcache status | head`: the reader left; say nothing, like any Unix tool.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except GCacheError as exc:
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
+        return EXIT_CONFIG if isinstance(exc, ConfigError) else 1
+    except Exception as exc:
+        if os.environ.get("GCACHE_DEBUG"):
+            raise
+        print(
+            f"{prog}: internal error: {one_line(f'{type(exc).__name__}: {exc}')} "
+            "(GCACHE_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

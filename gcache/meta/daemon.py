@@ -8,7 +8,6 @@ import gc
 import logging
 import os
 import signal
-import socket
 import time
 
 import grpc
@@ -16,12 +15,13 @@ import grpc
 from gcache import config as cfgmod
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.config import MetaConfig
-from gcache.errors import GCacheError
+from gcache.errors import BindError
 from gcache.meta.control import ControlService
 from gcache.meta.core import MetaCore
 from gcache.meta.hotpath import HotPathServer
 from gcache.meta.metrics import MetricsServer
 from gcache.server.daemon import install_uvloop, setup_logging
+from gcache.startup import listen_tcp, probe_port, run_main
 
 log = logging.getLogger("gcache.meta")
 TICK_S = 0.1
@@ -29,19 +29,26 @@ TICK_S = 0.1
 
 async def run(cfg: MetaConfig) -> None:
     core = MetaCore(cfg)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((cfg.host, cfg.port))
-    listener.listen(1024)
-    listener.setblocking(False)
+    listener = listen_tcp(cfg.host, cfg.port, "meta.port, --port", 1024)
     port = listener.getsockname()[1]
     hot = HotPathServer(core, listener)
 
     grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ControlServicer_to_server(ControlService(core), grpc_server)
-    grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    grpc_setting = "meta.grpc_port, --grpc-port"
+    try:
+        probe_port(cfg.host, cfg.grpc_port, grpc_setting)
+        grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    except (BindError, RuntimeError) as exc:
+        listener.close()
+        if isinstance(exc, BindError):
+            raise
+        raise BindError(
+            f"cannot listen on {cfg.host}:{cfg.grpc_port} ({grpc_setting}): {exc}"
+        ) from exc
     if grpc_port == 0:
-        raise GCacheError(f"cannot bind gRPC port {cfg.host}:{cfg.grpc_port}")
+        listener.close()
+        raise BindError(f"cannot listen on {cfg.host}:{cfg.grpc_port} ({grpc_setting})")
     await grpc_server.start()
 
     stopping = asyncio.Event()
@@ -60,7 +67,12 @@ async def run(cfg: MetaConfig) -> None:
     metrics = MetricsServer(core)
     metrics_port = -1
     if cfg.metrics_port >= 0:
-        metrics_port = await metrics.start(cfg.host, cfg.metrics_port)
+        try:
+            metrics_port = await metrics.start(cfg.host, cfg.metrics_port)
+        except BindError:
+            listener.close()
+            await grpc_server.stop(grace=None)
+            raise
     tasks = [asyncio.create_task(hot.accept_loop()), asyncio.create_task(ticker())]
     log.info(
         "gcache-meta: hot path on %s:%d, gRPC on %s:%d, metrics on %s",
@@ -99,16 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    try:
+
+    def body() -> None:
         cfg = cfgmod.from_args(MetaConfig, args)
-    except GCacheError as exc:
-        parser.error(str(exc))
-    install_uvloop()
-    try:
+        install_uvloop()
         asyncio.run(run(cfg))
-    except GCacheError as exc:
-        log.error("%s", exc)
-        raise SystemExit(1) from exc
+
+    run_main("gcache-meta", log, body)
 
 
 if __name__ == "__main__":

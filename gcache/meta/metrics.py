@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from gcache.meta.core import COUNTERS, MetaCore
 from gcache.meta.records import ServerRecord
+from gcache.startup import listen_tcp
 
 log = logging.getLogger("gcache.meta.metrics")
 
@@ -71,8 +72,11 @@ class MetricsServer:
             writer.close()
 
     async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self.handle, host, port, limit=16384)
-        return int(self.server.sockets[0].getsockname()[1])
+        """Listen on ``host:port`` (0: a free port); a failure is a one-line
+        :class:`BindError` naming the address and ``meta.metrics_port``."""
+        sock = listen_tcp(host, port, "meta.metrics_port, --metrics-port (-1: off)", 128)
+        self.server = await asyncio.start_server(self.handle, sock=sock, limit=16384)
+        return int(sock.getsockname()[1])
 
     async def close(self) -> None:
         if self.server is not None:

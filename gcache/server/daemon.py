@@ -26,6 +26,7 @@ from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.config import ServerConfig
 from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal
 from gcache.server.core import DataPlaneCore
+from gcache.startup import listen_tcp, run_main
 from gcache.storage.segment import Segment
 from gcache.transport.limits import (
     Conn,
@@ -249,11 +250,7 @@ class StorageServer:
 
     async def run(self) -> None:
         cfg = self.cfg
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind((cfg.host, cfg.port))
-        self.listener.listen(512)
-        self.listener.setblocking(False)
+        self.listener = listen_tcp(cfg.host, cfg.port, "server.port, --port", 512)
         self.port = self.listener.getsockname()[1]
         if not self.server_id:
             self.server_id = f"{socket.gethostname()}:{self.port}"
@@ -320,16 +317,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    try:
+
+    def body() -> None:
         cfg = cfgmod.from_args(ServerConfig, args)
-    except GCacheError as exc:
-        parser.error(str(exc))
-    install_uvloop()
-    try:
+        install_uvloop()
         asyncio.run(StorageServer(cfg).run())
-    except GCacheError as exc:
-        log.error("%s", exc)
-        raise SystemExit(1) from exc
+
+    run_main("gcache-server", log, body)
 
 
 if __name__ == "__main__":

@@ -417,6 +417,8 @@ def test_ports_zero_and_metrics_off_allowed() -> None:
         ("port = 7700\n", "[port]"),
         ("meta = 5\n", "meta"),
         ("[server]\nportt = 1\n", "portt"),  # a typo in another section is refused too
+        ("[server]\nheartbeat_interval_s = 0\n", "server.heartbeat_interval_s"),
+        ("[client]\ntimeout_s = nan\n", "client.timeout_s"),
         ("[meta]\nhost = [1]\n", "meta.host"),
         ('[meta]\nport = "7700x"\n', "meta.port"),
     ],
