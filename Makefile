@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 venv: $(STAMP)
 
+# Other ports or options: make run ARGS='--meta-port 17700 --grpc-port 17701 ...'
+# (or GCACHE_META_PORT=17700 make run; README "Ports").
+ARGS ?=
 run: $(STAMP)
-	$(VENV)/bin/gcache up --demo
+	$(VENV)/bin/gcache up --demo $(ARGS)
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q tests
