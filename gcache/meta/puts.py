@@ -148,16 +148,33 @@ class Puts(Placement):
                 raise Refusal(
                     E_BAD_REQUEST, f"placement {pi}: {len(sums)} checksum bytes, want {want}"
                 )
+        done = dict(req.done)
+        if session is not LOCAL:
+            self._check_receipts(put, req, done)
         self._settle(put)
         return self.commit(
             put.ns,
             put.keys,
             put.placements,
-            dict(req.done),
+            done,
             now,
             owner=put.owner.principal.name,
             hold_until=put.deadline,
         )
+
+    def _check_receipts(self, put: PendingPut, req: wire.PutCommit, done: dict[int, bytes]) -> None:
+        """Keep in ``done`` only placements whose write grant the server consumed:
+        ``req.receipts[i]`` must be the receipt of ``req.done[i]``'s grant. The rest
+        are treated as unwritten (quarantined), so no grant of a committed put can
+        still write: every committed object's grant was used up. In-process drivers
+        (:data:`LOCAL`, never a connection) mint no grants and send no receipts."""
+        receipts = req.receipts
+        for n, (pi, _) in enumerate(req.done):
+            _, _, srv, off, size = put.placements[pi]
+            want = capability.receipt(srv.secret, off, size, put.expiry_ms)
+            if n >= len(receipts) or receipts[n] != want:
+                del done[pi]
+                self.counters["objects_unreceipted"] += 1
 
     def commit(
         self,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcache import keys, wire
+from gcache import capability, keys, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import (
     E_ACCESS_DENIED,
@@ -310,6 +310,19 @@ def all_done(core: MetaCore, fp: bytes, placed: wire.PutPlaced) -> list[tuple[in
     ]
 
 
+def commit_req(
+    core: MetaCore, fp: bytes, placed: wire.PutPlaced, upto: int | None = None
+) -> wire.PutCommit:
+    """PutCommit of the first ``upto`` placements with the receipts their servers
+    would return (every test server's secret is ``bytes(16)``)."""
+    done = all_done(core, fp, placed)[:upto]
+    receipts = [
+        capability.receipt(bytes(16), g.offset, g.length, g.expiry_ms)
+        for g in (placed.placements[i].grant for i, _ in done)
+    ]
+    return wire.PutCommit(placed.put_id, done, receipts)
+
+
 def test_put_and_lease_ids_are_random_and_only_their_session_may_use_them() -> None:
     core = make_core()
     fp = register(core)
@@ -320,12 +333,10 @@ def test_put_and_lease_ids_are_random_and_only_their_session_may_use_them() -> N
     assert p1.put_id > 1 << 32 and p2.put_id > 1 << 32 and abs(p2.put_id - p1.put_id) > 1
     # Another connection cannot commit or abort a's put, even knowing its id.
     with pytest.raises(Refusal) as e:
-        core.put_commit(wire.PutCommit(p1.put_id, all_done(core, fp, p1)), 1.0, b)
+        core.put_commit(commit_req(core, fp, p1), 1.0, b)
     assert e.value.code == E_UNKNOWN_PUT
     assert not core.put_abort(p1.put_id, b)
-    assert core.put_commit(wire.PutCommit(p1.put_id, all_done(core, fp, p1)), 1.0, a) == len(
-        p1.placements
-    )
+    assert core.put_commit(commit_req(core, fp, p1), 1.0, a) == len(p1.placements)
     assert core.put_abort(p2.put_id, a)
     res = core.lookup(wire.Lookup(fp, keys.block_keys(fp, list(range(8)), 4), True), 2.0, WALL, a)
     assert res.lease_id > 1 << 32
@@ -433,7 +444,7 @@ def test_quarantined_ranges_are_not_reused_until_their_grants_expired() -> None:
     for i in range(5):
         q = begin(core, fp, [1000 * (i + 1) + t for t in range(16)], now=2.0 + i)
         assert not ranges & {(pl.grant.offset, pl.grant.length) for pl in q.placements}
-        core.put_commit(wire.PutCommit(q.put_id, all_done(core, fp, q)), 2.0 + i)
+        core.put_commit(commit_req(core, fp, q), 2.0 + i)
     # The grants expire GRANT_MARGIN_S before the deadline (1.0 + 10.0).
     assert expiry_ms <= int((WALL + 10.0 - GRANT_MARGIN_S) * 1000)
     core.tick(10.9)
@@ -527,16 +538,38 @@ def test_tenants_use_only_their_namespaces_and_stay_within_their_quota() -> None
         assert e.value.code == E_ACCESS_DENIED
     # beta's data, committed first, must survive acme's puts past its quota.
     pb = begin(core, theirs, list(range(64)), beta)
-    core.put_commit(wire.PutCommit(pb.put_id, all_done(core, theirs, pb)), 1.0, beta)
+    core.put_commit(commit_req(core, theirs, pb), 1.0, beta)
     beta_bytes = core.tenant_bytes["beta"]
     assert beta_bytes > 0
     stored = 0
     for i in range(20):
         p = begin(core, mine, [1000 * (i + 1) + t for t in range(64)], acme, now=2.0 + i)
         if p.placements:
-            stored += core.put_commit(wire.PutCommit(p.put_id, all_done(core, mine, p)), 2.0, acme)
+            stored += core.put_commit(commit_req(core, mine, p), 2.0, acme)
         # committed + pending never past the quota
         assert core.tenant_bytes["acme"] + core.pending_by_tenant["acme"] <= 128 << 10
     assert stored > 0 and core.counters["objects_over_bounds"] > 0
     assert core.tenant_bytes["beta"] == beta_bytes  # nothing of beta's evicted
     assert lookup(core, theirs, list(range(64)), now=30.0).tokens == 64
+
+
+def test_commit_keeps_only_placements_with_a_valid_receipt() -> None:
+    """Old code: commit trusted the client's done list, so a placement whose grant
+    was never consumed became a committed object its still-valid grant could
+    overwrite later."""
+    core = make_core(servers=1, put_timeout_s=10.0, heartbeat_timeout_s=60.0)
+    fp = register(core)
+    a = Session("a")
+    p = begin(core, fp, list(range(16)), a)
+    req = commit_req(core, fp, p)
+    n = len(req.done)
+    assert n >= 4
+    receipts = list(req.receipts)
+    receipts[1] ^= 1  # forged
+    receipts[2] = 0
+    req = wire.PutCommit(p.put_id, req.done, receipts[: n - 1])  # the last one missing
+    assert core.put_commit(req, 1.0, a) == n - 3
+    assert core.counters["objects_unreceipted"] == 3
+    bad = {1, 2, n - 1}
+    srv = core.servers["s0"]
+    assert srv.quarantined_bytes == sum(p.placements[i].grant.length for i in bad)

@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gcache import keys, wire
+from gcache import capability, keys, wire
 from gcache.config import MetaConfig
 from gcache.errors import E_UNKNOWN_PUT, Refusal
 from gcache.meta.core import MetaCore
@@ -118,9 +118,21 @@ class MetaMachine(RuleBasedStateMachine):
         put = data.draw(st.sampled_from(self.pending))
         n = len(put.placements)
         done_idx = sorted(data.draw(st.sets(st.integers(0, n - 1))))
+        forged_idx: set[int] = set()
         layout = self.ns.layout
         done = [(i, bytes(8 * len(layout.group_layers[put.placements[i].group]))) for i in done_idx]
-        req = wire.PutCommit(put.put_id, done)
+        receipts = []
+        for i in done_idx:
+            pl = put.placements[i]
+            sid = put.servers[pl.server].server_id
+            gr = pl.grant
+            # The server's receipt; a forged one for a placement never written.
+            forged = data.draw(st.booleans()) if i % 3 == 0 else False
+            r = capability.receipt(sid.encode() * 8, gr.offset, gr.length, gr.expiry_ms)
+            receipts.append(r ^ 1 if forged else r)
+            if forged:
+                forged_idx.add(i)
+        req = wire.PutCommit(put.put_id, done, receipts)
         if wrong:  # another session knows the id: refused, nothing changes
             with pytest.raises(Refusal) as e:
                 self.core.put_commit(req, self.now, self.sessions[1 - put.session])
@@ -128,9 +140,12 @@ class MetaMachine(RuleBasedStateMachine):
             return
         self.core.put_commit(req, self.now, self.sessions[put.session])
         self.pending.remove(put)
-        for g in self.grants:
-            if g.put_id == put.put_id and g.placement in done_idx:
-                g.consumed = True  # the server returned a receipt for it
+        for rec in self.grants:
+            if rec.put_id == put.put_id and rec.placement in done_idx:
+                # The server returned a receipt: it takes the grant no more. A forged
+                # receipt stands for a grant never used: it stays valid (and its
+                # range must not be committed or re-used until it expires).
+                rec.consumed = rec.placement not in forged_idx
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), wrong=st.booleans())
