@@ -13,19 +13,71 @@ import msgspec
 from gcache import wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.auth import Authenticator, bearer
 from gcache.errors import LayoutError, Refusal
 from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
+from gcache.meta.records import ServerRecord
 
 log = logging.getLogger("gcache.meta.control")
 
 
+def id_conflict(
+    old: ServerRecord | None, addr: wire.ServerAddr, incarnation: int, now: float, hold_s: float
+) -> str | None:
+    """Why a registration of ``addr.server_id`` must be refused, or None.
+
+    An id is held by its live server: a registration with another incarnation from
+    another address (host, port or hostname) while the holder was heard from within
+    ``hold_s`` is a second server with the same ``--server-id``, not a restart (a
+    restart reuses the address, or comes after the old one fell silent)."""
+    if old is None or not old.alive or old.incarnation == incarnation:
+        return None
+    same_place = (old.addr.host, old.addr.port, old.addr.hostname) == (
+        addr.host,
+        addr.port,
+        addr.hostname,
+    )
+    age = now - old.last_seen
+    if same_place or age >= hold_s:
+        return None
+    return (
+        f"server id {addr.server_id!r} is held by a live server at "
+        f"{old.addr.host}:{old.addr.port} on {old.addr.hostname or '?'} (heard from "
+        f"{age:.1f} s ago); give this server another --server-id, or wait "
+        f"{hold_s:.0f} s after the old one stopped"
+    )
+
+
 class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
-    def __init__(self, core: MetaCore, heartbeat_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        core: MetaCore,
+        heartbeat_interval_s: float = 1.0,
+        auth: Authenticator | None = None,
+    ) -> None:
         self.core = core
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.auth = auth or Authenticator()
+        self.refused_unauthenticated = 0
+        self.refused_duplicate_id = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "refused_unauthenticated": self.refused_unauthenticated,
+            "refused_duplicate_id": self.refused_duplicate_id,
+        }
+
+    async def _require_cluster(self, context: Any, call: str) -> None:
+        if not self.auth.is_cluster(bearer(context.invocation_metadata())):
+            self.refused_unauthenticated += 1
+            log.warning("refused %s from %s: no valid cluster token", call, context.peer())
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "a valid cluster token is required"
+            )
 
     async def RegisterServer(self, request: Any, context: Any) -> Any:
+        await self._require_cluster(context, "RegisterServer")
         if not request.server_id or not request.port or request.capacity < (1 << 20):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -43,8 +95,20 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             request.shm_path,
             request.incarnation,
         )
+        now = time.monotonic()
+        conflict = id_conflict(
+            self.core.servers.get(request.server_id),
+            addr,
+            request.incarnation,
+            now,
+            self.core.cfg.heartbeat_timeout_s,
+        )
+        if conflict is not None:
+            self.refused_duplicate_id += 1
+            log.warning("refused RegisterServer from %s:%d: %s", addr.host, addr.port, conflict)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
         self.core.register_server(
-            addr, bytes(request.secret), request.incarnation, request.capacity, time.monotonic()
+            addr, bytes(request.secret), request.incarnation, request.capacity, now
         )
         log.info(
             "server %s registered at %s:%d (%d bytes)",
@@ -59,6 +123,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         )
 
     async def Heartbeat(self, request: Any, context: Any) -> Any:
+        await self._require_cluster(context, "Heartbeat")
         c = request.counters
         counters = {f.name: int(getattr(c, f.name)) for f in c.DESCRIPTOR.fields}
         rereg, freed = self.core.heartbeat(
@@ -69,6 +134,12 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         )
 
     async def RegisterNamespace(self, request: Any, context: Any) -> Any:
+        why = self.auth.may_register_namespace(
+            bearer(context.invocation_metadata()), request.cache_salt
+        )
+        if why is not None:
+            self.refused_unauthenticated += 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         try:
             spec = decode_spec(request.layout_json)
             descriptor = {
@@ -93,6 +164,10 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         return pb.RegisterNamespaceReply(fingerprint=ns.fingerprint, namespace_id=ns.ns_id)
 
     async def Evict(self, request: Any, context: Any) -> Any:
+        why = self.auth.may_administer(bearer(context.invocation_metadata()))
+        if why is not None:
+            self.refused_unauthenticated += 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         try:
             evicted, refused = self.core.evict_keys(
                 bytes(request.namespace), [bytes(k) for k in request.keys], request.groups

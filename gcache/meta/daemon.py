@@ -14,6 +14,7 @@ import grpc
 
 from gcache import config as cfgmod
 from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.auth import Authenticator, add_port, server_credentials
 from gcache.config import MetaConfig
 from gcache.errors import BindError
 from gcache.meta.control import ControlService
@@ -29,16 +30,18 @@ TICK_S = 0.1
 
 async def run(cfg: MetaConfig) -> None:
     core = MetaCore(cfg)
+    auth = Authenticator.from_files(cfg.cluster_token_file, cfg.tenants_file)
+    tls = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
     listener = listen_tcp(cfg.host, cfg.port, "meta.port, --port", 1024)
     port = listener.getsockname()[1]
-    hot = HotPathServer(core, listener)
+    hot = HotPathServer(core, listener, auth)
 
     grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ControlServicer_to_server(ControlService(core), grpc_server)
+    pb_grpc.add_ControlServicer_to_server(ControlService(core, auth=auth), grpc_server)
     grpc_setting = "meta.grpc_port, --grpc-port"
     try:
         probe_port(cfg.host, cfg.grpc_port, grpc_setting)
-        grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        grpc_port = add_port(grpc_server, f"{cfg.host}:{cfg.grpc_port}", tls)
     except (BindError, RuntimeError) as exc:
         listener.close()
         if isinstance(exc, BindError):
@@ -82,6 +85,10 @@ async def run(cfg: MetaConfig) -> None:
         grpc_port,
         f"http://{cfg.host}:{metrics_port}/metrics" if metrics_port >= 0 else "(disabled)",
     )
+    if auth.enabled or tls is not None:
+        log.info("gcache-meta auth: %s, gRPC TLS: %s", auth.describe(), "on" if tls else "off")
+    else:
+        log.warning("gcache-meta runs without authentication (no cluster or tenant tokens)")
     # Everything allocated at start-up (modules, gRPC, the config) is permanent:
     # keep it out of every later collection of the cyclic collector.
     gc.freeze()

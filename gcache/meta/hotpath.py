@@ -10,7 +10,9 @@ import time
 from typing import Any
 
 from gcache import wire
+from gcache.auth import Authenticator
 from gcache.errors import (
+    E_ACCESS_DENIED,
     E_BAD_REQUEST,
     E_INTERNAL,
     GCacheError,
@@ -34,8 +36,43 @@ from gcache.transport.stream import BodyCheck, FrameStream
 log = logging.getLogger("gcache.meta.hotpath")
 
 
-def dispatch(core: MetaCore, session: Session, msg_type: int, msg: Any) -> wire.Msg:
-    """Run one decoded request of ``session`` against the core; returns the reply body."""
+def hello(auth: Authenticator | None, session: Session, msg: wire.Hello) -> wire.Ok:
+    """Authenticate ``session`` by its access token. Without tenant tokens any
+    ``Hello`` is accepted and the session stays anonymous (everything allowed)."""
+    if auth is None or auth.tenants is None:
+        session.authenticated = True
+        return wire.Ok(0)
+    who = auth.principal(msg.token)
+    if who is None:
+        raise Refusal(E_ACCESS_DENIED, "unknown access token")
+    if session.authenticated and who != session.principal:
+        raise Refusal(
+            E_ACCESS_DENIED, f"connection already authenticated as {session.principal.name}"
+        )
+    session.principal = who
+    session.authenticated = True
+    return wire.Ok(1)
+
+
+def dispatch(
+    core: MetaCore,
+    session: Session,
+    msg_type: int,
+    msg: Any,
+    auth: Authenticator | None = None,
+) -> wire.Msg:
+    """Run one decoded request of ``session`` against the core; returns the reply body.
+    With tenant tokens (``auth.tenants``) only ``PING`` and ``HELLO`` are served
+    before the session authenticated."""
+    if msg_type == wire.T_HELLO:
+        return hello(auth, session, msg)
+    if (
+        not session.authenticated
+        and auth is not None
+        and auth.tenants is not None
+        and msg_type != wire.T_PING
+    ):
+        raise Refusal(E_ACCESS_DENIED, "not authenticated: send HELLO with an access token first")
     now, wall = time.monotonic(), time.time()
     if msg_type == wire.T_LOOKUP:
         for lease_id in msg.release:
@@ -71,9 +108,12 @@ def key_count_check(max_keys: int) -> BodyCheck:
 
 
 class HotPathServer:
-    def __init__(self, core: MetaCore, listener: socket.socket) -> None:
+    def __init__(
+        self, core: MetaCore, listener: socket.socket, auth: Authenticator | None = None
+    ) -> None:
         self.core = core
         self.listener = listener
+        self.auth = auth
         self.connections: set[asyncio.Task[None]] = set()
         self.protocol_errors = 0
         cfg = core.cfg
@@ -117,7 +157,7 @@ class HotPathServer:
                     await stream.send_msg(wire.Error(E_BAD_REQUEST, str(exc)), head.req_id)
                     continue
                 try:
-                    reply = dispatch(core, session, head.msg_type, msg)
+                    reply = dispatch(core, session, head.msg_type, msg, self.auth)
                 except Refusal as r:
                     core.counters["refused"] += 1
                     reply = wire.Error(r.code, r.message)

@@ -23,6 +23,7 @@ from gcache import config as cfgmod
 from gcache import wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.auth import aio_channel, load_cluster_token
 from gcache.config import ServerConfig
 from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal
 from gcache.server.core import DataPlaneCore
@@ -45,6 +46,17 @@ log = logging.getLogger("gcache.server")
 _MAX_DRAIN = 64 << 20
 
 
+# Registration refusals that retrying cannot fix: the server exits with one line.
+_REFUSED = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    }
+)
+
+
 class StorageServer:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
@@ -65,6 +77,11 @@ class StorageServer:
         self.bad_frame_log = RateLimitedLog(log)
         self.refused_log = RateLimitedLog(log)
         self._stopping = asyncio.Event()
+        # Control plane: read before anything starts, so a bad token file fails fast.
+        self.cluster_token = load_cluster_token(cfg.cluster_token_file)
+        self.fatal: GCacheError | None = None  # why the control loop gave up
+        self.registrations = 0
+        self.heartbeat_failures = 0
 
     # ---- data plane --------------------------------------------------------------
 
@@ -192,6 +209,8 @@ class StorageServer:
         )
 
     async def register(self, stub: Any) -> float:
+        """Register (again) with the meta; retries while it is unreachable. A refusal
+        (bad cluster token, server id held by another live server) is fatal."""
         assert self.segment is not None
         req = pb.RegisterServerRequest(
             server_id=self.server_id,
@@ -207,20 +226,39 @@ class StorageServer:
         while not self._stopping.is_set():
             try:
                 reply = await stub.RegisterServer(req, timeout=5.0)
+                self.registrations += 1
                 log.info("registered with meta %s as %s", self.cfg.meta, self.server_id)
                 return float(reply.heartbeat_interval_s) or self.cfg.heartbeat_interval_s
             except grpc.aio.AioRpcError as exc:
+                if exc.code() in _REFUSED:
+                    raise GCacheError(
+                        f"meta {self.cfg.meta} refused to register server {self.server_id!r}: "
+                        f"{exc.details()}"
+                    ) from exc
                 log.warning("register with meta %s failed: %s", self.cfg.meta, exc.details())
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 0.5)
         return self.cfg.heartbeat_interval_s
 
     async def control_loop(self, ready: asyncio.Event) -> None:
-        async with grpc.aio.insecure_channel(self.cfg.meta) as channel:
+        try:
+            await self._control_loop(ready)
+        except GCacheError as exc:
+            self.fatal = exc
+            self._stopping.set()
+
+    async def _control_loop(self, ready: asyncio.Event) -> None:
+        # The channel reconnects at least every 500 ms whatever the outage length
+        # (auth.RECONNECT_OPTIONS), so after a meta restart the next heartbeat gets
+        # through and is told to re-register: within one interval of the meta.
+        async with aio_channel(
+            self.cfg.meta, token=self.cluster_token, tls_ca=self.cfg.tls_ca
+        ) as channel:
             stub = pb_grpc.ControlStub(channel)
             await self.register(stub)
             ready.set()
             interval = self.cfg.heartbeat_interval_s
+            failing = False
             while not self._stopping.is_set():
                 try:
                     await asyncio.wait_for(self._stopping.wait(), interval)
@@ -237,8 +275,14 @@ class StorageServer:
                         timeout=max(interval, 1.0),
                     )
                 except grpc.aio.AioRpcError as exc:
-                    log.warning("heartbeat failed: %s", exc.details())
+                    self.heartbeat_failures += 1
+                    if not failing:  # one line per outage, not one per beat
+                        log.warning("heartbeat to meta %s failed: %s", self.cfg.meta, exc.details())
+                    failing = True
                     continue
+                if failing:
+                    log.info("meta %s reachable again", self.cfg.meta)
+                    failing = False
                 assert self.core is not None
                 for r in reply.free:
                     self.core.free(r.offset, r.length)
@@ -285,6 +329,8 @@ class StorageServer:
                     fh.write(f"{cfg.host} {self.port}\n")
                 os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
             await self._stopping.wait()
+            if self.fatal is not None:
+                raise self.fatal
         finally:
             log.info("gcache-server %s stopping", self.server_id)
             self.listener.close()

@@ -1,0 +1,182 @@
+"""Authentication against real daemons: the cluster token on the control plane,
+server identity (duplicate ids), fast re-registration after a meta restart, tenant
+access tokens on the hot path and gRPC, TLS for gRPC."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from gcache._proto import gcache_pb2 as pb
+from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.auth import call_metadata
+from gcache.cli.deploy import LocalDeployment
+from gcache.layout import LayerSpec, LayoutSpec
+from gcache_client import GCacheClient
+from tests.kvdata import make_kv, tokens
+
+CLUSTER_TOKEN = "cluster-secret-0123456789abcdef"
+SMALL = LayoutSpec(
+    block_size=16, dtype="float16", layers=(LayerSpec("full", 1, 256, 256),)
+)  # 16 KiB per block
+
+
+def _server_args(d: LocalDeployment, shm_dir: Path) -> list[str]:
+    """A gcache-server started by hand (to watch it fail to start)."""
+    args = ["--meta", d.meta_grpc, "--port", "0", "--capacity", "8MiB", "--no-populate"]
+    return [sys.executable, "-m", "gcache.server.daemon", *args, "--shm-dir", str(shm_dir)]
+
+
+def _token_file(tmp_path: Path, name: str, token: str) -> str:
+    path = tmp_path / name
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def _register_request(server_id: str, port: int) -> pb.RegisterServerRequest:
+    return pb.RegisterServerRequest(
+        server_id=server_id,
+        host="127.0.0.1",
+        port=port,
+        hostname="intruder",
+        shm_path="/dev/shm/none",
+        capacity=64 << 20,
+        secret=b"k" * 16,
+        incarnation=12345,
+    )
+
+
+def _server(d: LocalDeployment, server_id: str) -> Any:
+    return next(s for s in d.stats().servers if s.server_id == server_id)
+
+
+# ---- cluster token and server identity ------------------------------------------------
+
+
+def test_register_server_without_cluster_token_is_refused_and_keeps_objects(
+    tmp_path: Path,
+) -> None:
+    token = _token_file(tmp_path, "cluster.token", CLUSTER_TOKEN)
+    flags = ["--cluster-token-file", token]
+    with LocalDeployment(
+        tmp_path / "d", servers=1, capacity="16MiB", meta_args=flags, server_args=flags
+    ) as d:
+        with GCacheClient(d.client_config(), timeout_s=3.0) as c:
+            ns = c.register_namespace("auth-cluster", SMALL)
+            toks = tokens(64, seed=1)
+            assert c.put(ns, toks, make_kv(ns.layout, 64, seed=1)).ok
+            assert c.lookup(ns, toks) == 64
+            real = _server(d, "server0")
+            with grpc.insecure_channel(d.meta_grpc) as ch:
+                stub = pb_grpc.ControlStub(ch)
+                for metadata in ([], call_metadata("wrong-token-0123456789abcdef")):
+                    with pytest.raises(grpc.RpcError) as err:
+                        stub.RegisterServer(
+                            _register_request("server0", 1), metadata=metadata, timeout=5
+                        )
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    with pytest.raises(grpc.RpcError) as err:
+                        stub.Heartbeat(
+                            pb.HeartbeatRequest(server_id="server0", incarnation=12345),
+                            metadata=metadata,
+                            timeout=5,
+                        )
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            # The real server still holds its id, its address and its objects.
+            assert c.lookup(ns, toks) == 64
+            after = _server(d, "server0")
+            assert after.address == real.address and after.alive
+            assert (d.data_dir / "meta.log").read_text().count("no valid cluster token") >= 2
+
+
+def test_server_with_wrong_cluster_token_exits_with_one_line(tmp_path: Path) -> None:
+    good = _token_file(tmp_path, "cluster.token", CLUSTER_TOKEN)
+    bad = _token_file(tmp_path, "bad.token", "another-token-0123456789abcdef")
+    with LocalDeployment(
+        tmp_path / "d", servers=0, capacity="16MiB", meta_args=["--cluster-token-file", good]
+    ) as d:
+        proc = subprocess.run(
+            [*_server_args(d, tmp_path), "--cluster-token-file", bad],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 1
+        lines = [ln for ln in proc.stderr.splitlines() if "ERROR" in ln]
+        assert len(lines) == 1 and "a valid cluster token is required" in lines[0]
+        assert "Traceback" not in proc.stderr
+
+
+def test_duplicate_server_id_from_second_server_is_refused(tmp_path: Path) -> None:
+    with LocalDeployment(tmp_path / "d", servers=1, capacity="16MiB") as d:
+        with GCacheClient(d.client_config(), timeout_s=3.0) as c:
+            ns = c.register_namespace("auth-dup", SMALL)
+            toks = tokens(64, seed=2)
+            assert c.put(ns, toks, make_kv(ns.layout, 64, seed=2)).ok
+            real = _server(d, "server0")
+            # A second process with the same --server-id on another port.
+            proc = subprocess.run(
+                [*_server_args(d, tmp_path), "--server-id", "server0"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert proc.returncode == 1, proc.stderr[-2000:]
+            lines = [ln for ln in proc.stderr.splitlines() if "ERROR" in ln]
+            assert len(lines) == 1, proc.stderr[-2000:]
+            assert "server id 'server0' is held by a live server" in lines[0]
+            assert "Traceback" not in proc.stderr
+            # The first server kept its id, address and objects.
+            after = _server(d, "server0")
+            assert after.address == real.address and after.alive
+            assert c.lookup(ns, toks) == 64
+
+
+def test_restart_on_same_address_is_accepted(tmp_path: Path) -> None:
+    with LocalDeployment(tmp_path / "d", servers=1, capacity="16MiB") as d:
+        port = d.servers[0].port
+        d.server_ports = [port]
+        d.kill_server(0)  # SIGKILL: the meta still thinks it is alive
+        assert _server(d, "server0").alive
+        d.start_server(0)  # same id, same address, new incarnation: a restart
+        assert d.servers[0].port == port
+        d.wait_servers(1)
+
+
+def test_server_reregisters_fast_after_a_long_meta_outage(tmp_path: Path) -> None:
+    """Heartbeat interval 0.5 s (LocalDeployment): after a 12 s outage the server is
+    registered again within interval + 1 s of the restarted meta being ready. With
+    gRPC's default reconnect back-off this took 3.8-4.4 s (grpcio 1.85)."""
+    with LocalDeployment(tmp_path / "d", servers=1, capacity="16MiB") as d:
+        assert d.meta is not None
+        d.meta.popen.send_signal(signal.SIGKILL)
+        d.meta.popen.wait(10)
+        time.sleep(12.0)  # gRPC's default back-off has grown to ~6 s by now
+        d.restart_meta()  # same ports; returns once the meta is ready
+        ready = time.monotonic()
+        while not any(s.alive for s in d.stats().servers):
+            assert time.monotonic() - ready < 10, "server did not re-register"
+            time.sleep(0.02)
+        took = time.monotonic() - ready
+        assert took <= 0.5 + 1.0 + 0.3, f"re-registered {took:.2f} s after the meta was ready"
+
+
+def test_no_tokens_everything_works_as_before(tmp_path: Path) -> None:
+    with LocalDeployment(tmp_path / "d", servers=1, capacity="16MiB") as d:
+        assert "runs without authentication" in (d.data_dir / "meta.log").read_text()
+        # A client without a token never says HELLO and may do everything.
+        with GCacheClient(d.client_config(), timeout_s=3.0) as c:
+            ns = c.register_namespace("auth-none", SMALL, cache_salt="anything")
+            toks = tokens(64, seed=3)
+            assert c.put(ns, toks, make_kv(ns.layout, 64, seed=3)).ok
+            assert c.lookup(ns, toks) == 64
+            evicted, _ = c.evict(ns, toks, windows_only=False)
+            assert evicted >= 1
