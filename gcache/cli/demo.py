@@ -37,17 +37,17 @@ class DemoReport:
     misses_on_error: int = 0
 
     def lines(self) -> list[str]:
-        gb = 1e9
+        mib, gib = float(1 << 20), float(1 << 30)  # binary units, as gcache status
         return [
             f"prompts              {self.prompts} ({self.prompt_tokens} tokens)",
             f"tokens from cache    {self.hit_tokens} "
             f"({self.hit_tokens / max(1, self.prompt_tokens):.1%})",
             f"blocks put           {self.blocks_put}",
             f"objects stored       {self.objects_stored} (deduplicated {self.objects_deduped})",
-            f"bytes written        {self.bytes_written / 1e6:.1f} MB at "
-            f"{self.bytes_written / gb / max(self.put_s, 1e-9):.2f} GB/s",
-            f"bytes read           {self.bytes_read / 1e6:.1f} MB at "
-            f"{self.bytes_read / gb / max(self.get_s, 1e-9):.2f} GB/s",
+            f"bytes written        {self.bytes_written / mib:.1f} MiB at "
+            f"{self.bytes_written / gib / max(self.put_s, 1e-9):.2f} GiB/s",
+            f"bytes read           {self.bytes_read / mib:.1f} MiB at "
+            f"{self.bytes_read / gib / max(self.get_s, 1e-9):.2f} GiB/s",
             f"layers verified      {self.verified_layers} (mismatches: {self.mismatches})",
         ]
 

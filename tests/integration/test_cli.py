@@ -96,12 +96,21 @@ def test_up_demo_status_and_clean_stop(tmp_path: Path) -> None:
         assert dict(reply.counters)["hit_blocks"] > 0
         st = run("gcache.cli.main", "status", "--meta-grpc", grpc_addr.group(1))
         assert st.returncode == 0 and "server0" in st.stdout and "lookups" in st.stdout
-        pids = [int(p) for p in re.findall(r"gcache-server\d-(\d+)\.seg", _seg_names())]
+        # one unit system (binary) in status and the demo summary
+        assert "256.0 MiB" in st.stdout and "tcp reads" in st.stdout, st.stdout
+        assert not re.search(r"\d (KB|MB|GB|TB)\b", st.stdout), st.stdout
+        assert re.search(r"bytes read\s+[\d.]+ MiB at [\d.]+ GiB/s", text), text
+        pids = _our_server_pids(tmp_path)
+        assert len(pids) == 2, pids
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # a failed assertion: let `gcache up` stop its daemons
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     assert proc.returncode == 0, rest
     assert "stopped: server0=0, server1=0, meta=0" in rest
     for pid in pids:
@@ -111,5 +120,32 @@ def test_up_demo_status_and_clean_stop(tmp_path: Path) -> None:
             os.kill(pid, 0)
 
 
-def _seg_names() -> str:
-    return " ".join(os.listdir("/dev/shm"))
+def _our_server_pids(tmp_path: Path) -> list[int]:
+    """Pids of the segment files of this test's servers (other tests, run
+    concurrently, have their own)."""
+    pids = [
+        int(p) for p in re.findall(r"gcache-server\d-(\d+)\.seg", " ".join(os.listdir("/dev/shm")))
+    ]
+    ours = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(tmp_path).encode() in cmdline:
+            ours.append(pid)
+    return ours
+
+
+def test_up_help_documents_ports_and_sizes() -> None:
+    out = run("gcache.cli.main", "up", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for name in ("$GCACHE_META_PORT", "$GCACHE_META_GRPC_PORT", "$GCACHE_SERVER_PORT"):
+        assert name in text
+    assert "1G = 1GiB" in text
+
+
+def test_bench_help_documents_size_units() -> None:
+    out = run("gcache.benchtool.main", "--help")
+    assert out.returncode == 0 and "1M = 1MiB" in " ".join(out.stdout.split())
