@@ -5,6 +5,7 @@ access tokens on the hot path and gRPC, TLS for gRPC."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,12 +15,16 @@ from typing import Any
 import grpc
 import pytest
 
+from gcache import wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import call_metadata
 from gcache.cli.deploy import LocalDeployment
+from gcache.errors import E_ACCESS_DENIED, GCacheError
+from gcache.keys import block_keys
 from gcache.layout import LayerSpec, LayoutSpec
 from gcache_client import GCacheClient
+from tests import rawwire
 from tests.kvdata import make_kv, tokens
 
 CLUSTER_TOKEN = "cluster-secret-0123456789abcdef"
@@ -180,3 +185,106 @@ def test_no_tokens_everything_works_as_before(tmp_path: Path) -> None:
             assert c.lookup(ns, toks) == 64
             evicted, _ = c.evict(ns, toks, windows_only=False)
             assert evicted >= 1
+
+
+# ---- tenant access tokens -------------------------------------------------------------
+
+ALICE = "alice-access-0123456789"
+BOB = "bob-access-0123456789ab"
+OPS = "ops-access-0123456789ab"
+
+
+def _tenants(tmp_path: Path, alice_quota: str = "0") -> str:
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'["{ALICE}"]\nname = "alice"\nnamespaces = ["alice/"]\nquota = "{alice_quota}"\n'
+        f'["{BOB}"]\nname = "bob"\nnamespaces = ["bob/"]\n'
+        f'["{OPS}"]\nname = "ops"\nnamespaces = [""]\nadmin = true\n'
+    )
+    return str(path)
+
+
+def _raw(sock: socket.socket, msg: wire.Msg) -> Any:
+    sock.sendall(wire.pack_frame(msg, 1))
+    return rawwire.recv_frame(sock)[1]
+
+
+def test_tenant_tokens_confine_each_client_to_its_namespaces(tmp_path: Path) -> None:
+    flags = ["--tenants-file", _tenants(tmp_path)]
+    with LocalDeployment(tmp_path / "d", servers=1, capacity="16MiB", meta_args=flags) as d:
+        assert d.meta is not None
+        bob = GCacheClient(d.client_config(token=BOB), timeout_s=3.0)
+        alice = GCacheClient(d.client_config(token=ALICE), timeout_s=3.0)
+        nobody = GCacheClient(d.client_config(), timeout_s=3.0)
+        try:
+            ns_b = bob.register_namespace("m", SMALL, cache_salt="bob/chat")
+            toks = tokens(64, seed=4)
+            kv = make_kv(ns_b.layout, 64, seed=4)
+            assert bob.put(ns_b, toks, kv).ok and bob.lookup(ns_b, toks) == 64
+            # gRPC: alice may register only under her prefix; no token: nothing.
+            with pytest.raises(GCacheError, match="may not use cache_salt 'bob/chat'"):
+                alice.register_namespace("m", SMALL, cache_salt="bob/chat")
+            ns_a = alice.register_namespace("m", SMALL, cache_salt="alice/chat")
+            with pytest.raises(GCacheError, match="access token is required"):
+                nobody.register_namespace("m", SMALL, cache_salt="")
+            # Hot path with bob's namespace in hand: alice reads nothing, writes nothing.
+            assert alice.lookup(ns_b, toks) == 0
+            assert alice.put(ns_b, toks, kv).stored == 0
+            assert nobody.lookup(ns_b, toks) == 0
+            assert alice.put(ns_a, toks, kv).ok and alice.lookup(ns_a, toks) == 64
+            # Admin calls: bob may not evict, the ops token may.
+            with pytest.raises(GCacheError, match="not an admin"):
+                bob.evict(ns_b, toks)
+            ops = GCacheClient(d.client_config(token=OPS), timeout_s=3.0)
+            assert ops.evict(ns_b, toks, blocks=range(3, 4), windows_only=False) == (1, 0)
+            ops.close()
+            assert bob.lookup(ns_b, toks) == 48
+        finally:
+            for c in (bob, alice, nobody):
+                c.close()
+
+        # The same on raw frames: exact error codes, and the connection stays usable.
+        keys = block_keys(ns_b.fingerprint, toks, 16)
+        with rawwire.connect(d.meta.port) as s:
+            err = _raw(s, wire.Lookup(ns_b.fingerprint, keys))
+            assert isinstance(err, wire.Error) and err.code == E_ACCESS_DENIED
+            assert "send HELLO" in err.message
+            assert isinstance(_raw(s, wire.Ping()), wire.Ok)
+            err = _raw(s, wire.Hello("forged-token-0123456789"))
+            assert isinstance(err, wire.Error) and err.code == E_ACCESS_DENIED
+            assert _raw(s, wire.Hello(ALICE)) == wire.Ok(1)
+            err = _raw(s, wire.Lookup(ns_b.fingerprint, keys))
+            assert isinstance(err, wire.Error) and err.code == E_ACCESS_DENIED
+            err = _raw(s, wire.PutBegin(ns_b.fingerprint, keys, [1] * len(keys)))
+            assert isinstance(err, wire.Error) and err.code == E_ACCESS_DENIED
+        with rawwire.connect(d.meta.port) as s:
+            assert _raw(s, wire.Hello(BOB)) == wire.Ok(1)
+            res = _raw(s, wire.Lookup(ns_b.fingerprint, keys))
+            assert isinstance(res, wire.LookupResult) and res.blocks == 3
+
+
+def test_over_quota_put_is_refused_and_other_tenant_keeps_its_data(tmp_path: Path) -> None:
+    """16 MiB store; bob holds 13 MiB; alice (quota 1 MiB) offers 4 MiB. Without the
+    quota her put would evict bob's blocks to make room; with it, she stores at most
+    1 MiB and bob's blocks all stay."""
+    flags = ["--tenants-file", _tenants(tmp_path, alice_quota="1MiB")]
+    with LocalDeployment(tmp_path / "d", servers=1, capacity="16MiB", meta_args=flags) as d:
+        with (
+            GCacheClient(d.client_config(token=BOB), timeout_s=5.0) as bob,
+            GCacheClient(d.client_config(token=ALICE), timeout_s=5.0) as alice,
+        ):
+            ns_b = bob.register_namespace("m", SMALL, cache_salt="bob/")
+            prompts = [tokens(1024, seed=100 + i) for i in range(13)]  # 1 MiB each
+            kv = make_kv(ns_b.layout, 1024, seed=5)
+            for p in prompts:
+                r = bob.put(ns_b, p, kv)
+                assert r.ok and r.stored == 64, r
+            ns_a = alice.register_namespace("m", SMALL, cache_salt="alice/")
+            big = tokens(4096, seed=7)
+            r = alice.put(ns_a, big, make_kv(ns_a.layout, 4096, seed=7))
+            assert r.bytes_written <= 1 << 20 and r.no_space >= 192, r
+            assert alice.lookup(ns_a, big) <= 1024
+            # A second put is refused outright: the quota is used up.
+            r2 = alice.put(ns_a, tokens(1024, seed=8), make_kv(ns_a.layout, 1024, seed=8))
+            assert r2.stored == 0 and r2.no_space == 64, r2
+            assert [bob.lookup(ns_b, p) for p in prompts] == [1024] * 13
