@@ -17,6 +17,7 @@ import grpc
 
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
+from gcache.auth import sync_channel
 from gcache.config import ClientConfig
 from gcache.errors import GCacheError
 from gcache.startup import one_line
@@ -50,6 +51,7 @@ class LocalDeployment:
         meta_args: list[str] | None = None,
         server_args: list[str] | None = None,
         log_level: str = "info",
+        tls_ca: str = "",
     ) -> None:
         self.data_dir = Path(data_dir)
         self.n_servers = servers
@@ -62,6 +64,7 @@ class LocalDeployment:
         self.meta_args = meta_args or []
         self.server_args = server_args or []
         self.log_level = log_level
+        self.tls_ca = tls_ca  # CA of the meta's gRPC TLS certificate (stats, clients)
         self.meta: Proc | None = None
         self.servers: list[Proc] = []
         self._logs: list[IO[bytes]] = []
@@ -238,10 +241,11 @@ class LocalDeployment:
         return f"http://{self.host}:{self.meta.extra['metrics_port']}/metrics"
 
     def client_config(self, **kw: Any) -> ClientConfig:
+        kw.setdefault("tls_ca", self.tls_ca)
         return ClientConfig(meta=self.meta_addr, meta_grpc=self.meta_grpc, **kw)
 
     def stats(self) -> Any:
-        return fetch_stats(self.meta_grpc)
+        return fetch_stats(self.meta_grpc, tls_ca=self.tls_ca)
 
 
 _LOG_PREFIX = re.compile(r"^\S+ \S+ (?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
@@ -265,8 +269,8 @@ def rpc_error_text(exc: grpc.RpcError) -> str:
     return one_line(f"{code.name if code else 'error'}: {details}")
 
 
-def fetch_stats(meta_grpc: str, timeout: float = 5.0) -> Any:
-    with grpc.insecure_channel(meta_grpc) as channel:
+def fetch_stats(meta_grpc: str, timeout: float = 5.0, tls_ca: str = "") -> Any:
+    with sync_channel(meta_grpc, tls_ca=tls_ca) as channel:
         try:
             return pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout)
         except grpc.RpcError as exc:

@@ -288,3 +288,48 @@ def test_over_quota_put_is_refused_and_other_tenant_keeps_its_data(tmp_path: Pat
             r2 = alice.put(ns_a, tokens(1024, seed=8), make_kv(ns_a.layout, 1024, seed=8))
             assert r2.stored == 0 and r2.no_space == 64, r2
             assert [bob.lookup(ns_b, p) for p in prompts] == [1024] * 13
+
+
+# ---- TLS ------------------------------------------------------------------------------
+
+
+def _self_signed(tmp_path: Path) -> tuple[str, str]:
+    """A throwaway certificate for 127.0.0.1 and localhost, made by openssl."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return str(cert), str(key)
+
+
+def test_grpc_over_tls_with_a_self_signed_certificate(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    with LocalDeployment(
+        tmp_path / "d",
+        servers=1,
+        capacity="16MiB",
+        meta_args=["--tls-cert", cert, "--tls-key", key],
+        server_args=["--tls-ca", cert],  # the server registers over TLS
+        tls_ca=cert,
+    ) as d:
+        assert "gRPC TLS: on" in (d.data_dir / "meta.log").read_text()
+        with GCacheClient(d.client_config(), timeout_s=3.0) as c:
+            ns = c.register_namespace("auth-tls", SMALL)
+            toks = tokens(64, seed=9)
+            assert c.put(ns, toks, make_kv(ns.layout, 64, seed=9)).ok
+            assert c.lookup(ns, toks) == 64
+        # Plaintext gRPC to the TLS port: no answer.
+        with grpc.insecure_channel(d.meta_grpc) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.ControlStub(ch).GetStats(pb.GetStatsRequest(), timeout=3)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with GCacheClient(d.client_config(tls_ca=""), timeout_s=3.0) as plain:
+            with pytest.raises(GCacheError, match="RegisterNamespace failed"):
+                plain.register_namespace("auth-tls", SMALL)
