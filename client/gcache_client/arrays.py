@@ -57,6 +57,21 @@ def to_numpy(x: Any, dtype: str, what: str) -> np.ndarray:
     return arr
 
 
+def fills_in_place(user: Any, arr: np.ndarray) -> bool:
+    """Whether bytes written into ``arr`` (from :func:`to_numpy`) land in the
+    caller's ``user`` buffer itself: not when ``to_numpy`` had to copy (strided or
+    non-CPU input), and not for read-only arrays."""
+    if is_torch(user):
+        return bool(user.device.type == "cpu" and arr.ctypes.data == user.data_ptr())
+    return (
+        isinstance(user, np.ndarray)
+        and user.flags.c_contiguous
+        and user.flags.writeable
+        and arr.ctypes.data == user.ctypes.data
+        and arr.nbytes == user.nbytes
+    )
+
+
 def empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return np.empty(shape, dtype=NUMPY_DTYPES[dtype])
 

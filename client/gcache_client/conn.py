@@ -2,9 +2,14 @@
 
 Requests are sent back to back under a send lock; one reader task matches replies
 to requests in FIFO order (servers answer each connection in order) and receives
-``READ`` payloads straight into the caller's destination views. A timeout or any
-transport failure closes the connection and fails every pending request, so a late
-reply can never scribble into a buffer its caller has already given up on.
+``READ`` payloads straight into the caller's destination views.
+
+A call that is cancelled or times out does not close the connection others share:
+its request is *abandoned*, and its reply, when it comes, is read and dropped (a
+payload goes into a scratch sink, never into the caller's buffers, which the
+caller has taken back). Only when the reply is already streaming into the
+caller's buffers, or the request frame may be half sent, is the connection
+closed instead. A transport failure fails every pending request.
 """
 
 from __future__ import annotations
@@ -35,14 +40,45 @@ async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
         raise
 
 
+# Abandoned requests whose replies are still due; past this the connection is
+# closed instead (a server that answers nothing in time is likely gone).
+MAX_ABANDONED = 256
+
+
+class _Pending:
+    __slots__ = ("abandoned", "answered", "dest", "fut", "receiving", "req_id")
+
+    def __init__(
+        self, req_id: int, fut: asyncio.Future[Any], dest: Sequence[memoryview] | None
+    ) -> None:
+        self.req_id = req_id
+        self.fut = fut
+        self.dest = dest
+        self.abandoned = False
+        self.receiving = False  # the reply's payload is streaming into ``dest``
+        self.answered = False  # the reader is done with this request
+
+
 class PipelinedConn:
-    __slots__ = ("_closed", "_ids", "_pending", "_reader", "_send_lock", "name", "stream")
+    __slots__ = (
+        "_closed",
+        "_ids",
+        "_owed",
+        "_pending",
+        "_reader",
+        "_send_lock",
+        "abandoned",
+        "name",
+        "stream",
+    )
 
     def __init__(self, stream: FrameStream, name: str) -> None:
         self.stream = stream
         self.name = name
         self._send_lock = asyncio.Lock()
-        self._pending: deque[tuple[int, asyncio.Future[Any], Sequence[memoryview] | None]] = deque()
+        self._pending: deque[_Pending] = deque()
+        self._owed = 0  # abandoned requests whose replies are still due
+        self.abandoned = 0  # requests abandoned so far (stats)
         self._ids = itertools.count(1)
         self._closed: BaseException | None = None
         self._reader = asyncio.create_task(self._read_loop())
@@ -67,25 +103,44 @@ class PipelinedConn:
         if self._closed is not None:
             raise ConnectionLost(f"connection to {self.name} is down: {self._closed}")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        p: _Pending | None = None
+        sent = False
         try:
             async with asyncio.timeout(timeout):
                 async with self._send_lock:
-                    req_id = next(self._ids) & 0xFFFFFFFF
-                    self._pending.append((req_id, fut, dest))
-                    await self.stream.send_msg(msg, req_id, payload)
+                    p = _Pending(next(self._ids) & 0xFFFFFFFF, fut, dest)
+                    self._pending.append(p)
+                    await self.stream.send_msg(msg, p.req_id, payload)
+                    sent = True
                 return await fut
         except TimeoutError as exc:
-            self.close(ConnectionLost(f"{self.name}: no reply within {timeout}s"))
+            self._abandon(p, sent, f"no reply within {timeout}s")
             raise ConnectionLost(f"{self.name}: no reply within {timeout}s") from exc
         except asyncio.CancelledError:
-            # The reply may still be on its way into ``dest``; the caller is gone, so
-            # drop the connection rather than let it write into reclaimed buffers.
-            if not fut.done() or fut.cancelled():
-                self.close(ConnectionLost(f"{self.name}: request cancelled"))
+            self._abandon(p, sent, "request cancelled")
             raise
         except (ConnectionLost, ClosedError) as exc:
             self.close(exc)
             raise ConnectionLost(f"{self.name}: {exc}") from exc
+
+    def _abandon(self, p: _Pending | None, sent: bool, why: str) -> None:
+        """The caller gave up on ``p``: have its reply drained, not delivered. The
+        connection is closed only if it cannot stay in step or in bounds."""
+        if p is None or self._closed is not None:
+            return  # never queued, or the connection is already down
+        if p.answered and not p.receiving:
+            return  # the reply was read whole: nothing is owed
+        if not sent or p.receiving or self._owed >= MAX_ABANDONED:
+            # A half-sent frame, or a payload already landing in the caller's
+            # buffers: only closing the connection stops it.
+            self.close(ConnectionLost(f"{self.name}: {why}"))
+            return
+        p.abandoned = True
+        p.dest = None
+        self._owed += 1
+        self.abandoned += 1
+        if not p.fut.done():
+            p.fut.cancel()
 
     async def _read_loop(self) -> None:
         stream = self.stream
@@ -97,15 +152,25 @@ class PipelinedConn:
                 head, body = frame
                 if not self._pending:
                     raise ProtocolError(f"unsolicited reply (request id {head.req_id})")
-                req_id, fut, dest = self._pending.popleft()
-                if head.req_id != req_id:
-                    raise ProtocolError(f"reply to request {head.req_id}, expected {req_id}")
+                p = self._pending.popleft()
+                p.answered = True
+                if head.req_id != p.req_id:
+                    raise ProtocolError(f"reply to request {head.req_id}, expected {p.req_id}")
+                if p.abandoned:
+                    self._owed -= 1
+                    if head.payload_len:  # into a scratch sink, never the caller's buffers
+                        await stream.discard(head.payload_len)
+                    continue
+                dest = p.dest
                 if head.msg_type == wire.T_READ_DATA:
                     if dest is None or sum(v.nbytes for v in dest) != head.payload_len:
                         raise ProtocolError("READ reply size does not match the request")
+                    p.receiving = True
                     await stream.recv_into_many(dest)
+                    p.receiving = False
                 elif head.payload_len:
                     await stream.discard(head.payload_len)
+                fut = p.fut
                 if fut.done():
                     continue
                 if head.msg_type == wire.T_ERROR:
@@ -126,7 +191,7 @@ class PipelinedConn:
         if self._closed is None:
             self._closed = exc
         while self._pending:
-            _, fut, _ = self._pending.popleft()
+            fut = self._pending.popleft().fut
             if not fut.done():
                 fut.set_exception(ConnectionLost(f"{self.name}: {exc}"))
                 fut.exception()  # mark retrieved: the caller may have timed out
