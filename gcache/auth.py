@@ -337,3 +337,25 @@ def sync_channel(target: str, *, tls_ca: str = "") -> grpc.Channel:
 
 def call_metadata(token: str | None) -> list[tuple[str, str]]:
     return [(TOKEN_METADATA, _BEARER + token)] if token else []
+
+
+def summary(
+    cluster_token_file: str,
+    tenants_file: str,
+    tls_cert: str,
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """One line for operators: what the meta with these settings authenticates."""
+    parts = []
+    if cluster_token_file or (os.environ if env is None else env).get(CLUSTER_TOKEN_ENV):
+        parts.append("cluster token")
+    if tenants_file:
+        parts.append("tenant tokens")
+    if tls_cert:
+        parts.append("gRPC TLS")
+    if not parts:
+        return (
+            "none: runs without authentication (no cluster or tenant tokens, no TLS); "
+            "anyone who can reach these ports may use and administer the cache"
+        )
+    return ", ".join(parts)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gcache.auth import summary as auth_summary
 from gcache.cli.deploy import LocalDeployment, fetch_stats
 from gcache.config import ClientConfig, MetaConfig, ServerConfig, load
 from gcache.errors import ConfigError, GCacheError
@@ -97,6 +98,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         for s in d.servers:
             print(f"  {s.name:<15} {s.host}:{s.port}  ({args.capacity} DRAM segment)")
         print(f"  logs            {Path(args.data_dir).resolve()}")
+        meta_cfg = load(MetaConfig)  # the daemons read the same environment
+        print(
+            "  auth            "
+            + auth_summary(meta_cfg.cluster_token_file, meta_cfg.tenants_file, meta_cfg.tls_cert)
+        )
         print(f"clients: GCacheClient(meta='{d.meta_addr}', meta_grpc='{d.meta_grpc}')")
         print(f"status:  gcache status --meta-grpc {d.meta_grpc}", flush=True)
         if args.demo:

@@ -4,6 +4,7 @@ access tokens on the hot path and gRPC, TLS for gRPC."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -333,3 +334,37 @@ def test_grpc_over_tls_with_a_self_signed_certificate(tmp_path: Path) -> None:
         with GCacheClient(d.client_config(tls_ca=""), timeout_s=3.0) as plain:
             with pytest.raises(GCacheError, match="RegisterNamespace failed"):
                 plain.register_namespace("auth-tls", SMALL)
+
+
+def test_gcache_up_prints_that_it_runs_without_auth(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GCACHE_")}
+    ports = ["--meta-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--server-port", "0"]
+    sizes = ["--servers", "1", "--capacity", "16MiB"]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gcache.cli.main",
+            "up",
+            "--data-dir",
+            str(tmp_path),
+            *ports,
+            *sizes,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving; Ctrl-C to stop" in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    auth = [ln for ln in lines if ln.strip().startswith("auth")]
+    assert len(auth) == 1 and "runs without authentication" in auth[0], "".join(lines)

@@ -20,6 +20,7 @@ from gcache.auth import (
     call_metadata,
     load_client_token,
     load_cluster_token,
+    summary,
     token_hash,
 )
 from gcache.config import ClientConfig, MetaConfig, ServerConfig
@@ -230,3 +231,9 @@ def test_hot_path_without_tenants_serves_anonymous_sessions() -> None:
     assert dispatch(core, session, wire.T_RELEASE, wire.Release(1), None) == wire.Ok(0)
     assert dispatch(core, session, wire.T_HELLO, wire.Hello("whatever"), None) == wire.Ok(0)
     assert session.principal.admin
+
+
+def test_summary_says_when_there_is_no_authentication() -> None:
+    assert summary("", "", "", env={}).startswith("none: runs without authentication")
+    assert summary("", "", "", env={"GCACHE_CLUSTER_TOKEN": CLUSTER_TOKEN}) == "cluster token"
+    assert summary("c", "t.toml", "cert.pem", env={}) == "cluster token, tenant tokens, gRPC TLS"
