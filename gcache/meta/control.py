@@ -196,6 +196,6 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         stats = self.core.stats()
         return pb.GetStatsReply(
             servers=servers,
-            counters={k: float(v) for k, v in stats.items()},
+            counters={k: float(v) for k, v in {**stats, **self.stats()}.items()},
             namespaces=len(self.core.namespaces),
         )

@@ -101,6 +101,7 @@ def test_register_server_without_cluster_token_is_refused_and_keeps_objects(
             after = _server(d, "server0")
             assert after.address == real.address and after.alive
             assert (d.data_dir / "meta.log").read_text().count("no valid cluster token") >= 2
+            assert dict(d.stats().counters)["refused_unauthenticated"] == 4
 
 
 def test_server_with_wrong_cluster_token_exits_with_one_line(tmp_path: Path) -> None:
@@ -144,6 +145,7 @@ def test_duplicate_server_id_from_second_server_is_refused(tmp_path: Path) -> No
             after = _server(d, "server0")
             assert after.address == real.address and after.alive
             assert c.lookup(ns, toks) == 64
+            assert dict(d.stats().counters)["refused_duplicate_id"] >= 1
 
 
 def test_restart_on_same_address_is_accepted(tmp_path: Path) -> None:
