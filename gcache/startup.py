@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from gcache.errors import BindError, ConfigError, GCacheError
+
+T = TypeVar("T")
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a C tool's shell status would be
 
 _HINTS = {
     errno.EADDRINUSE: "another process listens there; stop it or choose another port",
@@ -110,3 +114,37 @@ def run_main(prog: str, log: logging.Logger, body: Callable[[], None]) -> NoRetu
         )
         raise SystemExit(EXIT_FAILED) from None
     raise SystemExit(0)
+
+
+def run_command(prog: str, func: Callable[[T], int], args: T) -> int:
+    """Run a command (``gcache up``, ``gcache-bench``) and return its exit code;
+    every failure is one line on stderr, never a traceback (``GCACHE_DEBUG=1``
+    shows it for a bug report). A closed stdout (``| head``) ends quietly."""
+    try:
+        code = int(func(args))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # `gcache status | head`: the reader left; say nothing, like any Unix tool.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except GCacheError as exc:
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
+        return EXIT_CONFIG if isinstance(exc, ConfigError) else 1
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"{prog}: {one_line(exc.strerror or exc)}{where}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if os.environ.get("GCACHE_DEBUG"):
+            raise
+        print(
+            f"{prog}: internal error: {one_line(f'{type(exc).__name__}: {exc}')} "
+            "(GCACHE_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1

@@ -12,6 +12,7 @@ import argparse
 import io
 import json
 import multiprocessing as mp
+import os
 import sys
 import tempfile
 import time
@@ -25,6 +26,7 @@ from gcache.benchtool.layers import run_get_layers
 from gcache.benchtool.stats import HEADER, Progress, Samples, format_row, summarize
 from gcache.config import ClientConfig, parse_size
 from gcache.errors import GCacheError
+from gcache.startup import run_command
 
 SWEEP = [4096 << i for i in range(15)]  # 4 KiB .. 64 MiB
 
@@ -100,6 +102,10 @@ def _check_addr(flag: str, value: str | None) -> None:
 
 def check_args(args: argparse.Namespace) -> list[int]:
     """Validate; returns the sizes to run. Raises SystemExit with a message."""
+    if args.json:  # before a long run, not after it
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise SystemExit(f"gcache-bench: cannot write --json {args.json}: no such folder")
     _check_addr("--meta", args.meta)
     _check_addr("--meta-grpc", args.meta_grpc)
     if args.meta and not args.meta_grpc and int(args.meta.rpartition(":")[2]) >= 65535:
@@ -367,6 +373,10 @@ def print_rows(op: str, rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     sizes = check_args(args)
+    raise SystemExit(run_command("gcache-bench", lambda a: bench(a, sizes), args))
+
+
+def bench(args: argparse.Namespace, sizes: list[int]) -> int:
     deployment = None
     tmp = None
     if args.meta:
@@ -421,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
+    return 0
 
 
 if __name__ == "__main__":

@@ -73,7 +73,10 @@ class LocalDeployment:
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Proc:
         log_path = self.data_dir / f"{name}.log"
-        fh = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        try:
+            fh = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        except OSError as exc:
+            raise GCacheError(f"cannot write the log {log_path}: {exc.strerror}") from exc
         self._logs.append(fh)
         popen = subprocess.Popen(
             [sys.executable, "-m", module, "--log-level", self.log_level, *args],
@@ -97,7 +100,12 @@ class LocalDeployment:
         raise GCacheError(f"{proc.name} not ready within the timeout; see {proc.log_path}")
 
     def start(self, timeout: float = 30.0) -> LocalDeployment:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise GCacheError(
+                f"cannot create the data directory {self.data_dir}: {exc.strerror}"
+            ) from exc
         deadline = time.monotonic() + timeout
         try:
             self._start_meta(deadline)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
@@ -15,9 +14,7 @@ from gcache.auth import summary as auth_summary
 from gcache.cli.deploy import LocalDeployment, fetch_stats
 from gcache.config import ClientConfig, MetaConfig, ServerConfig, load
 from gcache.errors import ConfigError, GCacheError
-from gcache.startup import EXIT_CONFIG, EXIT_INTERRUPTED, one_line
-
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a C tool's shell status would be
+from gcache.startup import EXIT_INTERRUPTED, one_line, run_command
 
 
 def _fmt_bytes(n: float) -> str:
@@ -51,7 +48,7 @@ def up_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> 
         },
     )
     last = args.server_port + max(args.servers - 1, 0) if args.server_port else 0
-    load(ServerConfig, env={}, overrides={"port": last})
+    load(ServerConfig, env={}, overrides={"port": last, "capacity": args.capacity})
     if args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")
 
@@ -337,35 +334,6 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     raise SystemExit(run_command(f"gcache {args.cmd}", args.func, args))
-
-
-def run_command(prog: str, func: Any, args: argparse.Namespace) -> int:
-    """Run one subcommand; every failure is one line on stderr, never a traceback
-    (``GCACHE_DEBUG=1`` shows it for a bug report)."""
-    try:
-        code = int(func(args))
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:
-        # `gcache status | head`: the reader left; say nothing, like any Unix tool.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except GCacheError as exc:
-        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
-        return EXIT_CONFIG if isinstance(exc, ConfigError) else 1
-    except Exception as exc:
-        if os.environ.get("GCACHE_DEBUG"):
-            raise
-        print(
-            f"{prog}: internal error: {one_line(f'{type(exc).__name__}: {exc}')} "
-            "(GCACHE_DEBUG=1 shows the traceback)",
-            file=sys.stderr,
-        )
-        return 1
 
 
 if __name__ == "__main__":

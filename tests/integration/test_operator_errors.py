@@ -381,3 +381,47 @@ def test_bench_bad_arguments_one_line(args: list[str], needle: str) -> None:
     out = script("gcache-bench", *args)
     assert out.returncode != 0
     assert needle in one_line(out.stderr)
+
+
+def test_bench_interrupted_one_line(tmp_path: Path) -> None:
+    """Ctrl-C during a `gcache-bench --local` run: one line, exit 130, the local
+    deployment it started is stopped (a KeyboardInterrupt traceback before)."""
+    proc = subprocess.Popen(
+        [str(BIN / "gcache-bench"), "write", "-s", "4K", "-D", "60", "--local"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    header = proc.stdout.readline()  # printed once the deployment is up
+    assert header.startswith("# gcache-bench write"), header
+    meta = header.split("meta ")[-1].strip()
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert one_line(err) == "gcache-bench: interrupted"
+    left = subprocess.run(["pgrep", "-f", "gcache-bench-"], capture_output=True, text=True)
+    for pid in left.stdout.split():  # other benchmarks may run; none may use our meta
+        assert meta.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_bench_json_into_missing_folder_refused_first() -> None:
+    out = script("gcache-bench", "write", "-s", "4K", "--json", "/nonexistent/dir/w.json")
+    assert out.returncode != 0
+    assert "--json" in one_line(out.stderr)
+    assert out.stdout == ""  # refused before anything ran
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["--capacity", "lots"], 2, "server.capacity"),
+        (["--servers", "0"], 2, "--servers"),
+        (["--server-port", "65535", "--servers", "2"], 2, "server.port"),
+        (["--data-dir", "/proc/gcache-no"], 1, "/proc/gcache-no"),
+    ],
+)
+def test_up_refuses_before_starting_one_line(args: list[str], code: int, needle: str) -> None:
+    base = ["--meta-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--server-port", "0"]
+    out = script("gcache", "up", *base, *args)
+    assert out.returncode == code, out.stderr
+    assert needle in one_line(out.stderr)
