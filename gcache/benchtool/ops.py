@@ -186,11 +186,23 @@ async def populate_index(
         key_lists.append(ks)
         masks = layout.groups_to_store(len(ks))
         placed = await client._meta_call(wire.PutBegin(ns.fingerprint, ks, masks))
+        # The meta commits only placements whose grants a server consumed: SEAL
+        # them (no bytes move) for their receipts.
+        by_server: dict[int, list[int]] = {}
+        for i, pl in enumerate(placed.placements):
+            by_server.setdefault(pl.server, []).append(i)
+        receipt: dict[int, int] = {}
+        for si, pis in by_server.items():
+            conn = await client._server(placed.servers[si])
+            grants = [placed.placements[i].grant for i in pis]
+            sealed = await conn.call(wire.Seal(grants), timeout=client.config.timeout_s)
+            receipt.update(zip(pis, sealed.receipts, strict=True))
         done = [
             (i, bytes(8 * len(layout.group_layers[pl.group])))
             for i, pl in enumerate(placed.placements)
         ]
-        await client._meta_call(wire.PutCommit(placed.put_id, done))
+        receipts = [receipt[i] for i, _ in done]
+        await client._meta_call(wire.PutCommit(placed.put_id, done, receipts))
         progress.update(p + 1)
     return key_lists
 
