@@ -345,27 +345,31 @@ _FALSE = ("0", "false", "no", "off")
 
 def _convert(cls: type, name: str, raw: Any) -> Any:
     """Strict conversion: no silent truncation, no guessing at booleans."""
-    kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     where = f"{_SECTIONS[cls]}.{name}"
-    if name not in kinds:
+    if name not in fields:
         raise ConfigError(f"unknown setting {where}")
-    kind = kinds[name]
+    kind = str(fields[name].type)
+    if not fields[name].repr:  # a secret (an access token): never echoed in an error
+        raw_text = "a value (hidden)"
+    else:
+        raw_text = repr(raw)
     if kind == "bool":
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
         if text in _TRUE or text in _FALSE:
             return text in _TRUE
-        raise ConfigError(f"{where}: expected a boolean (true/false), got {raw!r}")
+        raise ConfigError(f"{where}: expected a boolean (true/false), got {raw_text}")
     scalars = (str, int) if kind == "str" else (str, int, float)
     if isinstance(raw, bool) or not isinstance(raw, scalars):
-        raise ConfigError(f"{where}: expected {kind}, got {raw!r}")
+        raise ConfigError(f"{where}: expected {kind}, got {raw_text}")
     if kind == "int" and isinstance(raw, float) and not raw.is_integer():
-        raise ConfigError(f"{where}: expected an integer, got {raw!r}")
+        raise ConfigError(f"{where}: expected an integer, got {raw_text}")
     try:
         return {"int": int, "float": float, "str": str}[kind](raw)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: expected {kind}, got {raw!r}") from exc
+        raise ConfigError(f"{where}: expected {kind}, got {raw_text}") from exc
 
 
 def _read_file(file: str) -> dict[type, dict[str, Any]]:

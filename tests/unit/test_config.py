@@ -444,3 +444,14 @@ def test_config_errors_are_one_line() -> None:
         with pytest.raises(ConfigError) as info:
             load(MetaConfig, env={}, overrides=kw)
         assert next(iter(kw)) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_secret_values_never_echoed(tmp_path: Path) -> None:
+    """A token of the wrong type is refused naming the key, not showing the value."""
+    path = _toml(tmp_path, '[client]\ntoken = ["s3cret-token"]\n')
+    with pytest.raises(ConfigError, match="client.token") as info:
+        load(ClientConfig, path, env={})
+    assert "s3cret" not in str(info.value)
+    with pytest.raises(ConfigError, match="meta.port") as info:
+        load(MetaConfig, env={}, overrides={"port": "s3cret"})
+    assert "s3cret" in str(info.value)  # ordinary values are shown
