@@ -573,3 +573,18 @@ def test_commit_keeps_only_placements_with_a_valid_receipt() -> None:
     bad = {1, 2, n - 1}
     srv = core.servers["s0"]
     assert srv.quarantined_bytes == sum(p.placements[i].grant.length for i in bad)
+
+
+def test_a_client_holds_a_bounded_number_of_leases() -> None:
+    core = make_core(max_leases_per_client=3)
+    fp = register(core)
+    put(core, fp, list(range(8)))
+    ks = keys.block_keys(fp, list(range(8)), 4)
+    a, b = Session("a"), Session("b")
+    held = [core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, a).lease_id for _ in range(3)]
+    with pytest.raises(Refusal):
+        core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, a)
+    assert core.lookup(wire.Lookup(fp, ks, False), 1.0, WALL, a).blocks == 2  # unleased: fine
+    assert core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, b).lease_id  # others unaffected
+    assert core.release(held[0], a)
+    assert core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, a).lease_id
