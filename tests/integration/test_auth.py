@@ -370,3 +370,19 @@ def test_gcache_up_prints_that_it_runs_without_auth(tmp_path: Path) -> None:
         proc.wait(30)
     auth = [ln for ln in lines if ln.strip().startswith("auth")]
     assert len(auth) == 1 and "runs without authentication" in auth[0], "".join(lines)
+
+
+def test_bad_tenants_file_stops_the_meta_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "tenants.toml"
+    bad.write_text('["short"]\nname = "x"\nnamespaces = [""]\n')
+    ports = ["--port", "0", "--grpc-port", "0", "--metrics-port", "-1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "gcache.meta.daemon", *ports, "--tenants-file", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"gcache-meta: {bad}: tenant x: tokens must be at least 16 characters"
+    ]
