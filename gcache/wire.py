@@ -46,6 +46,11 @@ T_LOOKUP: Final = 24
 T_LOOKUP_RESULT: Final = 25
 T_RELEASE: Final = 26
 T_HELLO: Final = 27
+# Router hot path (gcache-router speaks the same framing as the meta).
+T_ROUTE: Final = 40
+T_ROUTED: Final = 41
+T_REPORT_HITS: Final = 42
+T_REPORT_LOAD: Final = 43
 
 
 # A block key (gcache.keys.KEY_SIZE bytes), checked by the decoder in C: a lookup of
@@ -214,6 +219,51 @@ class Hello(Msg):
     token: str
 
 
+# ---- router hot path -----------------------------------------------------------------
+
+
+class Route(Msg):
+    """Pick an engine instance for a prompt: its chained block keys (the meta's
+    keys for the prompt's namespace) and its length in tokens."""
+
+    keys: list[BlockKey]
+    tokens: int
+    request_id: str = ""
+
+
+class Routed(Msg):
+    """The choice: instance id and URL, the window-safe blocks it holds locally and
+    those the pool adds, the policy's cost and a one-word reason."""
+
+    instance: str
+    url: str
+    local_blocks: int
+    pool_blocks: int
+    cost: float
+    reason: str
+
+
+class ReportHits(Msg):
+    """After a lookup on ``instance``: tokens of the prompt matched in the
+    instance's own memory (``local_tokens``) and fetched from the pool."""
+
+    instance: str
+    prompt_tokens: int
+    local_tokens: int
+    pool_tokens: int
+
+
+class ReportLoad(Msg):
+    """An instance's load now; also its liveness signal."""
+
+    instance: str
+    queued: int
+    running: int
+    tokens_in_flight: int
+    active_blocks: int = 0
+    url: str = ""
+
+
 BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_ERROR: Error,
     T_OK: Ok,
@@ -231,6 +281,10 @@ BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_LOOKUP_RESULT: LookupResult,
     T_RELEASE: Release,
     T_HELLO: Hello,
+    T_ROUTE: Route,
+    T_ROUTED: Routed,
+    T_REPORT_HITS: ReportHits,
+    T_REPORT_LOAD: ReportLoad,
 }
 TYPE_OF: Final[dict[type[Msg], int]] = {v: k for k, v in BODY_TYPES.items()}
 _DECODERS: Final = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}

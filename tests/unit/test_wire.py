@@ -33,6 +33,10 @@ SAMPLES: list[tuple[wire.Msg, int]] = [
     (wire.Seal(grants=[GRANT]), 13),
     (wire.Sealed(receipts=[2**64 - 1, 0]), 14),
     (wire.Hello(token="t0ken"), 27),
+    (wire.Route(keys=[b"k" * 16], tokens=64, request_id="r1"), 40),
+    (wire.Routed("i0", "http://127.0.0.1:1", 1, 2, 0.5, "affinity"), 41),
+    (wire.ReportHits("i0", 128, 64, 64), 42),
+    (wire.ReportLoad("i0", 1, 2, 300, 4, "http://127.0.0.1:1"), 43),
     (wire.PutBegin(namespace=b"n" * 16, keys=[b"k" * 16, b"j" * 16], groups=[1, 3]), 20),
     (
         wire.PutPlaced(
