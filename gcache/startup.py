@@ -9,6 +9,7 @@ installed its own signal handlers.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import logging
 import os
@@ -31,6 +32,14 @@ _HINTS = {
     errno.EADDRNOTAVAIL: "not an address of this host; use one of its addresses or 0.0.0.0",
     errno.EACCES: "ports below 1024 need privileges; choose a port >= 1024",
 }
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose refusals are one line (``prog: message (see
+    --help)``, exit 2) instead of the whole usage text and then the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_CONFIG, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def one_line(text: object) -> str:

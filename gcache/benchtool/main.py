@@ -26,13 +26,13 @@ from gcache.benchtool.layers import run_get_layers
 from gcache.benchtool.stats import HEADER, Progress, Samples, format_row, summarize
 from gcache.config import ClientConfig, parse_size
 from gcache.errors import GCacheError
-from gcache.startup import run_command
+from gcache.startup import OneLineParser, run_command
 
 SWEEP = [4096 << i for i in range(15)]  # 4 KiB .. 64 MiB
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="gcache-bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -14,7 +14,7 @@ from gcache.auth import summary as auth_summary
 from gcache.cli.deploy import LocalDeployment, fetch_stats
 from gcache.config import ClientConfig, MetaConfig, ServerConfig, load
 from gcache.errors import ConfigError, GCacheError
-from gcache.startup import EXIT_INTERRUPTED, one_line, run_command
+from gcache.startup import EXIT_INTERRUPTED, OneLineParser, one_line, run_command
 
 
 def _fmt_bytes(n: float) -> str:
@@ -263,7 +263,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="gcache", description="GCache command line")
+    parser = OneLineParser(prog="gcache", description="GCache command line")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -22,7 +21,7 @@ from gcache.meta.core import MetaCore
 from gcache.meta.hotpath import HotPathServer
 from gcache.meta.metrics import MetricsServer
 from gcache.server.daemon import install_uvloop, setup_logging
-from gcache.startup import listen_tcp, probe_port, run_main
+from gcache.startup import OneLineParser, listen_tcp, probe_port, run_main
 
 log = logging.getLogger("gcache.meta")
 TICK_S = 0.1
@@ -108,7 +107,7 @@ async def run(cfg: MetaConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="gcache-meta",
         description="GCache metadata service: server membership, namespaces, the SWA-aware "
         "prefix index, placement, leases and eviction. Hot path on framed TCP, control "

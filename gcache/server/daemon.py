@@ -7,7 +7,6 @@ per-connection tasks and the control loop (register + heartbeat over gRPC);
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -27,7 +26,7 @@ from gcache.auth import aio_channel, load_cluster_token
 from gcache.config import ServerConfig
 from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal
 from gcache.server.core import DataPlaneCore
-from gcache.startup import listen_tcp, run_main
+from gcache.startup import OneLineParser, listen_tcp, run_main
 from gcache.storage.segment import Segment
 from gcache.transport.limits import (
     Conn,
@@ -354,7 +353,7 @@ def install_uvloop() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="gcache-server",
         description="GCache storage daemon: one DRAM segment in shared memory served "
         "over framed TCP; registers with and heartbeats to gcache-meta.",

@@ -425,3 +425,21 @@ def test_up_refuses_before_starting_one_line(args: list[str], code: int, needle:
     out = script("gcache", "up", *base, *args)
     assert out.returncode == code, out.stderr
     assert needle in one_line(out.stderr)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "needle"),
+    [
+        ("gcache-meta", ["--portt", "1"], "--portt"),
+        ("gcache-server", ["--populate=maybe"], "--populate"),
+        ("gcache", ["up", "--servers", "x"], "--servers"),
+        ("gcache", ["nope"], "nope"),
+        ("gcache-bench", ["nope"], "nope"),
+    ],
+)
+def test_bad_arguments_one_line(name: str, args: list[str], needle: str) -> None:
+    """argparse printed its whole usage text (many lines) before the message."""
+    out = script(name, *args)
+    assert out.returncode == 2
+    line = one_line(out.stderr)
+    assert needle in line and "--help" in line, line
