@@ -163,12 +163,20 @@ def test_server_port_in_use_one_line(busy_port: int) -> None:
     assert f"127.0.0.1:{busy_port}" in line and "server.port" in line, line
 
 
-def test_address_not_on_this_host_one_line() -> None:
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("192.0.2.1", "not an address of this host"),  # TEST-NET-1, never local
+        ("nohost.invalid", "does not resolve"),
+    ],
+)
+def test_address_not_on_this_host_one_line(host: str, reason: str) -> None:
     """deploy/gcache.toml used to ship host = 10.0.0.1: an `Errno 99` traceback."""
-    out = script("gcache-meta", "--host", "192.0.2.1", *FREE)  # TEST-NET-1, never local
-    assert out.returncode == 1, out.stderr
-    line = one_line(out.stderr)
-    assert "192.0.2.1:0" in line and "not an address of this host" in line, line
+    for name in ("gcache-meta", "gcache-server"):
+        out = script(name, "--host", host, "--port", "0")
+        assert out.returncode == 1, out.stderr
+        line = one_line(out.stderr)
+        assert f"{host}:0" in line and reason in line, line
 
 
 # ---- deploy/gcache.toml as shipped -------------------------------------------------------
