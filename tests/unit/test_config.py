@@ -449,9 +449,22 @@ def test_config_errors_are_one_line() -> None:
 def test_secret_values_never_echoed(tmp_path: Path) -> None:
     """A token of the wrong type is refused naming the key, not showing the value."""
     path = _toml(tmp_path, '[client]\ntoken = ["s3cret-token"]\n')
-    with pytest.raises(ConfigError, match="client.token") as info:
+    with pytest.raises(ConfigError, match=r"client\.token") as info:
         load(ClientConfig, path, env={})
     assert "s3cret" not in str(info.value)
-    with pytest.raises(ConfigError, match="meta.port") as info:
+    with pytest.raises(ConfigError, match=r"meta\.port") as info:
         load(MetaConfig, env={}, overrides={"port": "s3cret"})
     assert "s3cret" in str(info.value)  # ordinary values are shown
+
+
+def test_bench_size_argument_follows_the_size_rule() -> None:
+    """`gcache-bench -s 1M` was refused as 1,000,000 bytes (not a multiple of 1 KiB)."""
+    from gcache.benchtool.main import build_parser, check_args
+
+    def sizes(*argv: str) -> list[int]:
+        return check_args(build_parser().parse_args(list(argv)))
+
+    assert sizes("write", "-s", "1M") == [1 << 20]
+    assert sizes("write", "-s", "64k") == [64 << 10]
+    assert sizes("read", "-s", "1MiB") == [1 << 20]
+    assert "1M = 1MiB" in " ".join(build_parser().format_help().split())
