@@ -326,9 +326,7 @@ class ClientConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"client.{name} must be >= 1, got {getattr(self, name)}")
         if self.transport not in ("auto", "tcp", "shm"):
-            raise ConfigError(
-                f"client.transport must be auto, tcp or shm, got {self.transport!r}"
-            )
+            raise ConfigError(f"client.transport must be auto, tcp or shm, got {self.transport!r}")
         _check_hostport("client.meta", self.meta)
         _check_hostport("client.meta_grpc", self.meta_grpc)
         if self.token and self.token_file:
