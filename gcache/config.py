@@ -193,6 +193,11 @@ class MetaConfig:
     idle_timeout_s: float = _doc(
         "close a hot-path connection that sends no frame for this long", default=300.0
     )
+    send_timeout_s: float = _doc(
+        "close a hot-path connection whose client takes no byte of a reply for this long "
+        "(it stopped reading)",
+        default=30.0,
+    )
     max_connections: int = _doc("hot-path connections open at once", default=4096)
     max_connections_per_peer: int = _doc(
         "hot-path connections open at once from one address", default=1024
@@ -271,6 +276,11 @@ class ServerConfig:
     max_body: str = _doc("largest frame body the data plane accepts", default="32MiB")
     idle_timeout_s: float = _doc(
         "close a data-plane connection that sends no frame for this long", default=300.0
+    )
+    send_timeout_s: float = _doc(
+        "close a data-plane connection whose client takes no byte of a reply for this "
+        "long (it stopped reading)",
+        default=30.0,
     )
     max_connections: int = _doc("data-plane connections open at once", default=4096)
     max_connections_per_peer: int = _doc(

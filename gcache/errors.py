@@ -17,8 +17,11 @@ translated at each boundary with ``raise ... from`` so callers catch one family:
     │   │                      connection stays usable
     │   ├── UnknownNamespace
     │   ├── NoSpace
-    │   └── AccessDenied       a range not covered by a valid capability
+    │   ├── AccessDenied       a range not covered by a valid capability
+    │   └── Busy               the daemon refused the connection (connection limits)
     ├── ConnectionLost         the *peer* broke the connection (EOF, reset, timeout)
+    │   └── SendTimeout        the peer accepted no bytes of a reply for
+    │                          ``send_timeout_s`` (it stopped reading)
     ├── ClosedError            *you* closed this object and then used it
     └── IntegrityError         bytes read back do not match their checksum
 
@@ -81,8 +84,17 @@ class AccessDenied(RemoteError):
     pass
 
 
+class Busy(RemoteError):
+    """The daemon is at a connection limit and refused this connection."""
+
+
 class ConnectionLost(GCacheError):
     """The peer closed or reset the connection, or it timed out."""
+
+
+class SendTimeout(ConnectionLost):
+    """A send waited longer than the stream's send timeout for the peer to take
+    any byte (a peer that stopped reading its replies)."""
 
 
 class ClosedError(GCacheError):
@@ -101,6 +113,7 @@ E_ACCESS_DENIED = 4
 E_OUT_OF_RANGE = 5
 E_UNKNOWN_PUT = 6
 E_UNKNOWN_SERVER = 7
+E_BUSY = 8  # connection refused at a connection limit (sent with request id 0)
 E_INTERNAL = 99
 
 _BY_CODE: dict[int, type[RemoteError]] = {
@@ -108,6 +121,7 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     E_NO_SPACE: NoSpace,
     E_ACCESS_DENIED: AccessDenied,
     E_OUT_OF_RANGE: AccessDenied,
+    E_BUSY: Busy,
 }
 
 

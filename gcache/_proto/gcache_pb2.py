@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cgcache.proto\x12\tgcache.v1\"\xa1\x01\n\x15RegisterServerRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x10\n\x08shm_path\x18\x05 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\x12\x0e\n\x06secret\x18\x07 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\"P\n\x13RegisterServerReply\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x02 \x01(\x01\"\x92\x01\n\x0eServerCounters\x12\r\n\x05reads\x18\x01 \x01(\x04\x12\x0e\n\x06writes\x18\x02 \x01(\x04\x12\x12\n\nread_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bwrite_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x05 \x01(\x04\x12\x13\n\x0b\x63onnections\x18\x06 \x01(\x04\x12\x13\n\x0b\x66reed_bytes\x18\x07 \x01(\x04\"g\n\x10HeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12+\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x19.gcache.v1.ServerCounters\"\'\n\x05Range\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"D\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\x12\x1e\n\x04\x66ree\x18\x02 \x03(\x0b\x32\x10.gcache.v1.Range\"\x98\x01\n\x18RegisterNamespaceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x13\n\x0blayout_json\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\"C\n\x16RegisterNamespaceReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xc9\x01\n\x0bServerStats\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x0c\n\x04used\x18\x05 \x01(\x04\x12\x0f\n\x07objects\x18\x06 \x01(\x04\x12+\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x19.gcache.v1.ServerCounters\x12\x17\n\x0fheartbeat_age_s\x18\x08 \x01(\x01\x12\x10\n\x08shm_path\x18\t \x01(\t\"\xb7\x01\n\rGetStatsReply\x12\'\n\x07servers\x18\x01 \x03(\x0b\x32\x16.gcache.v1.ServerStats\x12\x38\n\x08\x63ounters\x18\x02 \x03(\x0b\x32&.gcache.v1.GetStatsReply.CountersEntry\x12\x12\n\nnamespaces\x18\x03 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\x0c\x45victRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06groups\x18\x03 \x01(\r\".\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\x12\x0f\n\x07refused\x18\x02 \x01(\r2\xfa\x02\n\x07\x43ontrol\x12R\n\x0eRegisterServer\x12 .gcache.v1.RegisterServerRequest\x1a\x1e.gcache.v1.RegisterServerReply\x12\x43\n\tHeartbeat\x12\x1b.gcache.v1.HeartbeatRequest\x1a\x19.gcache.v1.HeartbeatReply\x12[\n\x11RegisterNamespace\x12#.gcache.v1.RegisterNamespaceRequest\x1a!.gcache.v1.RegisterNamespaceReply\x12@\n\x08GetStats\x12\x1a.gcache.v1.GetStatsRequest\x1a\x18.gcache.v1.GetStatsReply\x12\x37\n\x05\x45vict\x12\x17.gcache.v1.EvictRequest\x1a\x15.gcache.v1.EvictReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cgcache.proto\x12\tgcache.v1\"\xa1\x01\n\x15RegisterServerRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x10\n\x08shm_path\x18\x05 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\x12\x0e\n\x06secret\x18\x07 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\"P\n\x13RegisterServerReply\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x02 \x01(\x01\"\xc9\x02\n\x0eServerCounters\x12\r\n\x05reads\x18\x01 \x01(\x04\x12\x0e\n\x06writes\x18\x02 \x01(\x04\x12\x12\n\nread_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bwrite_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x05 \x01(\x04\x12\x13\n\x0b\x63onnections\x18\x06 \x01(\x04\x12\x13\n\x0b\x66reed_bytes\x18\x07 \x01(\x04\x12\x1c\n\x14\x63onnections_accepted\x18\x08 \x01(\x04\x12\x1b\n\x13\x63onnections_refused\x18\t \x01(\x04\x12\x1f\n\x17\x63onnections_idle_closed\x18\n \x01(\x04\x12!\n\x19\x63onnections_send_timeouts\x18\x0b \x01(\x04\x12\x17\n\x0fprotocol_errors\x18\x0c \x01(\x04\x12\x1d\n\x15\x62\x61\x64_frames_suppressed\x18\r \x01(\x04\"g\n\x10HeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12+\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x19.gcache.v1.ServerCounters\"\'\n\x05Range\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"D\n\x0eHeartbeatReply\x12\x12\n\nreregister\x18\x01 \x01(\x08\x12\x1e\n\x04\x66ree\x18\x02 \x03(\x0b\x32\x10.gcache.v1.Range\"\x98\x01\n\x18RegisterNamespaceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x13\n\x0blayout_json\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\"C\n\x16RegisterNamespaceReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xc9\x01\n\x0bServerStats\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x0c\n\x04used\x18\x05 \x01(\x04\x12\x0f\n\x07objects\x18\x06 \x01(\x04\x12+\n\x08\x63ounters\x18\x07 \x01(\x0b\x32\x19.gcache.v1.ServerCounters\x12\x17\n\x0fheartbeat_age_s\x18\x08 \x01(\x01\x12\x10\n\x08shm_path\x18\t \x01(\t\"\xb7\x01\n\rGetStatsReply\x12\'\n\x07servers\x18\x01 \x03(\x0b\x32\x16.gcache.v1.ServerStats\x12\x38\n\x08\x63ounters\x18\x02 \x03(\x0b\x32&.gcache.v1.GetStatsReply.CountersEntry\x12\x12\n\nnamespaces\x18\x03 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\x0c\x45victRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06groups\x18\x03 \x01(\r\".\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\x12\x0f\n\x07refused\x18\x02 \x01(\r2\xfa\x02\n\x07\x43ontrol\x12R\n\x0eRegisterServer\x12 .gcache.v1.RegisterServerRequest\x1a\x1e.gcache.v1.RegisterServerReply\x12\x43\n\tHeartbeat\x12\x1b.gcache.v1.HeartbeatRequest\x1a\x19.gcache.v1.HeartbeatReply\x12[\n\x11RegisterNamespace\x12#.gcache.v1.RegisterNamespaceRequest\x1a!.gcache.v1.RegisterNamespaceReply\x12@\n\x08GetStats\x12\x1a.gcache.v1.GetStatsRequest\x1a\x18.gcache.v1.GetStatsReply\x12\x37\n\x05\x45vict\x12\x17.gcache.v1.EvictRequest\x1a\x15.gcache.v1.EvictReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERSERVERREPLY']._serialized_start=191
   _globals['_REGISTERSERVERREPLY']._serialized_end=271
   _globals['_SERVERCOUNTERS']._serialized_start=274
-  _globals['_SERVERCOUNTERS']._serialized_end=420
-  _globals['_HEARTBEATREQUEST']._serialized_start=422
-  _globals['_HEARTBEATREQUEST']._serialized_end=525
-  _globals['_RANGE']._serialized_start=527
-  _globals['_RANGE']._serialized_end=566
-  _globals['_HEARTBEATREPLY']._serialized_start=568
-  _globals['_HEARTBEATREPLY']._serialized_end=636
-  _globals['_REGISTERNAMESPACEREQUEST']._serialized_start=639
-  _globals['_REGISTERNAMESPACEREQUEST']._serialized_end=791
-  _globals['_REGISTERNAMESPACEREPLY']._serialized_start=793
-  _globals['_REGISTERNAMESPACEREPLY']._serialized_end=860
-  _globals['_GETSTATSREQUEST']._serialized_start=862
-  _globals['_GETSTATSREQUEST']._serialized_end=879
-  _globals['_SERVERSTATS']._serialized_start=882
-  _globals['_SERVERSTATS']._serialized_end=1083
-  _globals['_GETSTATSREPLY']._serialized_start=1086
-  _globals['_GETSTATSREPLY']._serialized_end=1269
-  _globals['_GETSTATSREPLY_COUNTERSENTRY']._serialized_start=1222
-  _globals['_GETSTATSREPLY_COUNTERSENTRY']._serialized_end=1269
-  _globals['_EVICTREQUEST']._serialized_start=1271
-  _globals['_EVICTREQUEST']._serialized_end=1334
-  _globals['_EVICTREPLY']._serialized_start=1336
-  _globals['_EVICTREPLY']._serialized_end=1382
-  _globals['_CONTROL']._serialized_start=1385
-  _globals['_CONTROL']._serialized_end=1763
+  _globals['_SERVERCOUNTERS']._serialized_end=603
+  _globals['_HEARTBEATREQUEST']._serialized_start=605
+  _globals['_HEARTBEATREQUEST']._serialized_end=708
+  _globals['_RANGE']._serialized_start=710
+  _globals['_RANGE']._serialized_end=749
+  _globals['_HEARTBEATREPLY']._serialized_start=751
+  _globals['_HEARTBEATREPLY']._serialized_end=819
+  _globals['_REGISTERNAMESPACEREQUEST']._serialized_start=822
+  _globals['_REGISTERNAMESPACEREQUEST']._serialized_end=974
+  _globals['_REGISTERNAMESPACEREPLY']._serialized_start=976
+  _globals['_REGISTERNAMESPACEREPLY']._serialized_end=1043
+  _globals['_GETSTATSREQUEST']._serialized_start=1045
+  _globals['_GETSTATSREQUEST']._serialized_end=1062
+  _globals['_SERVERSTATS']._serialized_start=1065
+  _globals['_SERVERSTATS']._serialized_end=1266
+  _globals['_GETSTATSREPLY']._serialized_start=1269
+  _globals['_GETSTATSREPLY']._serialized_end=1452
+  _globals['_GETSTATSREPLY_COUNTERSENTRY']._serialized_start=1405
+  _globals['_GETSTATSREPLY_COUNTERSENTRY']._serialized_end=1452
+  _globals['_EVICTREQUEST']._serialized_start=1454
+  _globals['_EVICTREQUEST']._serialized_end=1517
+  _globals['_EVICTREPLY']._serialized_start=1519
+  _globals['_EVICTREPLY']._serialized_end=1565
+  _globals['_CONTROL']._serialized_start=1568
+  _globals['_CONTROL']._serialized_end=1946
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class RegisterServerReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ServerCounters(_message.Message):
-    __slots__ = ("reads", "writes", "read_bytes", "write_bytes", "errors", "connections", "freed_bytes")
+    __slots__ = ("reads", "writes", "read_bytes", "write_bytes", "errors", "connections", "freed_bytes", "connections_accepted", "connections_refused", "connections_idle_closed", "connections_send_timeouts", "protocol_errors", "bad_frames_suppressed")
     READS_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
     READ_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,12 @@ class ServerCounters(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_IDLE_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_SEND_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BAD_FRAMES_SUPPRESSED_FIELD_NUMBER: _ClassVar[int]
     reads: int
     writes: int
     read_bytes: int
@@ -50,7 +56,13 @@ class ServerCounters(_message.Message):
     errors: int
     connections: int
     freed_bytes: int
-    def __init__(self, reads: _Optional[int] = ..., writes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., errors: _Optional[int] = ..., connections: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+    connections_accepted: int
+    connections_refused: int
+    connections_idle_closed: int
+    connections_send_timeouts: int
+    protocol_errors: int
+    bad_frames_suppressed: int
+    def __init__(self, reads: _Optional[int] = ..., writes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., errors: _Optional[int] = ..., connections: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., connections_accepted: _Optional[int] = ..., connections_refused: _Optional[int] = ..., connections_idle_closed: _Optional[int] = ..., connections_send_timeouts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., bad_frames_suppressed: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("server_id", "incarnation", "counters")

@@ -66,7 +66,7 @@ async def run(cfg: MetaConfig) -> None:
             except Exception:
                 log.exception("tick failed")
 
-    metrics = MetricsServer(core)
+    metrics = MetricsServer(core, hot.stats)
     metrics_port = -1
     if cfg.metrics_port >= 0:
         try:

@@ -19,6 +19,7 @@ from gcache.errors import (
     InvalidBody,
     ProtocolError,
     Refusal,
+    SendTimeout,
 )
 from gcache.meta.core import MetaCore
 from gcache.meta.session import Session
@@ -118,6 +119,7 @@ class HotPathServer:
         self.protocol_errors = 0
         cfg = core.cfg
         self.max_body = cfg.max_body_bytes
+        self.send_timeout = cfg.send_timeout_s
         self.limiter = ConnectionLimiter(
             cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
         )
@@ -135,7 +137,7 @@ class HotPathServer:
         }
 
     async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
-        stream = FrameStream(sock, max_body=self.max_body)
+        stream = FrameStream(sock, max_body=self.max_body, send_timeout=self.send_timeout)
         if conn is not None:
             conn.close = stream.close  # the idle sweeper closes the stream
         core = self.core
@@ -171,6 +173,9 @@ class HotPathServer:
             self.bad_frame_log.log(
                 time.monotonic(), "closing hot-path connection from %s: %s", stream.peer, exc
             )
+        except SendTimeout as exc:  # a client that stopped reading its replies
+            self.limiter.send_timeouts += 1
+            self.refused_log.log(time.monotonic(), "closing hot-path connection: %s", exc)
         except GCacheError as exc:
             log.debug("hot-path connection from %s ended: %s", stream.peer, exc)
         except Exception:  # a bug must cost one connection, never the daemon
@@ -209,7 +214,6 @@ class HotPathServer:
                 task.add_done_callback(self.connections.discard)
         finally:
             sweeper.cancel()
-
 
     async def close(self) -> None:
         self.listener.close()

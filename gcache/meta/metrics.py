@@ -2,7 +2,8 @@
 
 Only ``GET /metrics`` (and ``/healthz``) are served; anything else gets 404. The
 body is rendered from :meth:`MetaCore.stats` and the per-server records, so
-``gcache status``, gRPC ``GetStats`` and Prometheus always agree.
+``gcache status``, gRPC ``GetStats`` and Prometheus always agree; the hot path's
+connection counters (:meth:`HotPathServer.stats`) come as ``gcache_meta_hotpath_*``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from gcache.meta.core import COUNTERS, MetaCore
 from gcache.meta.records import ServerRecord
@@ -19,12 +20,20 @@ from gcache.startup import listen_tcp
 log = logging.getLogger("gcache.meta.metrics")
 
 
-def render(core: MetaCore) -> str:
+# Hot-path connection stats that are levels, not monotonic counters.
+HOTPATH_GAUGES = frozenset({"connections_open", "peers_connected"})
+
+
+def render(core: MetaCore, hotpath: Callable[[], Mapping[str, int]] | None = None) -> str:
     lines: list[str] = []
     for name, value in sorted(core.stats().items()):
         metric = f"gcache_meta_{name}" + ("_total" if name in COUNTERS else "")
         kind = "counter" if name in COUNTERS else "gauge"
         lines += [f"# TYPE {metric} {kind}", f"{metric} {float(value)}"]
+    for name, value in sorted((hotpath() if hotpath else {}).items()):
+        gauge = name in HOTPATH_GAUGES
+        metric = f"gcache_meta_hotpath_{name}" + ("" if gauge else "_total")
+        lines += [f"# TYPE {metric} {'gauge' if gauge else 'counter'}", f"{metric} {float(value)}"]
     now = time.monotonic()
     per_server: dict[str, Callable[[ServerRecord], float]] = {
         "gcache_server_capacity_bytes": lambda s: s.allocator.capacity,
@@ -45,8 +54,11 @@ def render(core: MetaCore) -> str:
 
 
 class MetricsServer:
-    def __init__(self, core: MetaCore) -> None:
+    def __init__(
+        self, core: MetaCore, hotpath: Callable[[], Mapping[str, int]] | None = None
+    ) -> None:
         self.core = core
+        self.hotpath = hotpath  # HotPathServer.stats
         self.server: asyncio.Server | None = None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -55,7 +67,7 @@ class MetricsServer:
             parts = request.split(b" ", 2)
             path = parts[1].decode("latin-1") if len(parts) > 1 else ""
             if parts[0] == b"GET" and path == "/metrics":
-                status, body = "200 OK", render(self.core).encode()
+                status, body = "200 OK", render(self.core, self.hotpath).encode()
             elif parts[0] == b"GET" and path == "/healthz":
                 status, body = "200 OK", b"ok\n"
             else:

@@ -24,7 +24,7 @@ from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import aio_channel, load_cluster_token
 from gcache.config import ServerConfig
-from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal
+from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal, SendTimeout
 from gcache.server.core import DataPlaneCore
 from gcache.startup import OneLineParser, listen_tcp, run_main
 from gcache.storage.segment import Segment
@@ -94,7 +94,9 @@ class StorageServer:
         }
 
     async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
-        stream = FrameStream(sock, max_body=self.cfg.max_body_bytes)
+        stream = FrameStream(
+            sock, max_body=self.cfg.max_body_bytes, send_timeout=self.cfg.send_timeout_s
+        )
         if conn is not None:
             conn.close = stream.close  # the idle sweeper closes the stream
         core = self.core
@@ -153,6 +155,9 @@ class StorageServer:
             self.bad_frame_log.log(
                 time.monotonic(), "closing connection from %s: protocol error: %s", stream.peer, exc
             )
+        except SendTimeout as exc:  # a client that stopped reading its replies
+            self.limiter.send_timeouts += 1
+            self.refused_log.log(time.monotonic(), "closing connection: %s", exc)
         except GCacheError as exc:
             log.info("connection from %s ended: %s", stream.peer, exc)
         except Exception:  # a bug must cost one connection, never the daemon
@@ -191,7 +196,6 @@ class StorageServer:
         finally:
             sweeper.cancel()
 
-
     # ---- control plane -----------------------------------------------------------
 
     def _counters(self) -> pb.ServerCounters:
@@ -205,6 +209,12 @@ class StorageServer:
             errors=core.refused + self.protocol_errors,
             connections=len(self.connections),
             freed_bytes=core.freed_bytes,
+            connections_accepted=self.limiter.accepted,
+            connections_refused=self.limiter.refused_total + self.limiter.refused_peer,
+            connections_idle_closed=self.limiter.idle_closed,
+            connections_send_timeouts=self.limiter.send_timeouts,
+            protocol_errors=self.protocol_errors,
+            bad_frames_suppressed=self.bad_frame_log.suppressed,
         )
 
     async def register(self, stub: Any) -> float:

@@ -8,7 +8,9 @@ The decisions are plain synchronous code with an injected clock
   ``max_connections_per_peer`` per peer address; an excess connection is accepted,
   answered with one ``ERROR`` frame and closed at once;
 * a connection that waits for a frame longer than ``idle_timeout_s`` (nothing of it
-  in flight: no request being handled or answered) is closed;
+  in flight: no request being handled or answered) is closed; one whose peer takes
+  no byte of a reply for ``send_timeout_s`` is closed by its stream
+  (:class:`~gcache.errors.SendTimeout`) and counted here;
 * lines a peer can provoke (bad frames, refused connections) are logged at a
   bounded rate, with a count of the lines left out.
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gcache import wire
-from gcache.errors import E_BAD_REQUEST
+from gcache.errors import E_BUSY
 
 
 def peer_host(addr: Any) -> str:
@@ -66,6 +68,7 @@ class ConnectionLimiter:
         self.refused_total = 0  # refused: the daemon was at max_connections
         self.refused_peer = 0  # refused: that peer was at max_connections_per_peer
         self.idle_closed = 0
+        self.send_timeouts = 0  # closed: the peer took no reply byte for send_timeout_s
 
     def __len__(self) -> int:
         return len(self._open)
@@ -112,6 +115,7 @@ class ConnectionLimiter:
             "connections_refused": self.refused_total + self.refused_peer,
             "connections_refused_per_peer": self.refused_peer,
             "connections_idle_closed": self.idle_closed,
+            "connections_send_timeouts": self.send_timeouts,
             "peers_connected": len(self._per_peer),
         }
 
@@ -169,9 +173,9 @@ class RateLimitedLog:
 
 
 def refuse(sock: socket.socket, reason: str) -> None:
-    """Answer an excess connection with one ``ERROR`` frame (best effort, never
-    blocking) and close it."""
-    frame = wire.pack_frame(wire.Error(E_BAD_REQUEST, f"connection refused: {reason}"))
+    """Answer an excess connection with one ``ERROR(E_BUSY)`` frame (request id 0;
+    best effort, never blocking) and close it."""
+    frame = wire.pack_frame(wire.Error(E_BUSY, f"connection refused: {reason}"))
     try:
         sock.setblocking(False)
         sock.send(frame)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gcache import wire
-from gcache.errors import ClosedError, ConnectionLost, ProtocolError
+from gcache.errors import ClosedError, ConnectionLost, ProtocolError, SendTimeout
 from gcache.transport.framing import (
     IOV_BATCH,
     READ_AHEAD,
@@ -62,6 +62,7 @@ class FrameStream:
         "_waiter",
         "_wwaiter",
         "peer",
+        "send_timeout",
         "sock",
     )
 
@@ -71,7 +72,13 @@ class FrameStream:
         loop: asyncio.AbstractEventLoop | None = None,
         max_body: int = wire.MAX_BODY,
         read_ahead: int = READ_AHEAD,
+        send_timeout: float | None = None,
     ) -> None:
+        """``send_timeout``: seconds a send may wait for the peer to take any byte
+        (the socket buffer stays full) before it fails with :class:`SendTimeout`;
+        the clock restarts whenever bytes go out. ``None``: wait forever."""
+        if send_timeout is not None and not send_timeout > 0:
+            raise ValueError("send_timeout must be positive")
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -90,6 +97,7 @@ class FrameStream:
         self._wwaiter: asyncio.Future[None] | None = None
         self._encoder = wire.FrameEncoder()
         self._closed = False
+        self.send_timeout = send_timeout
         try:
             self.peer: Any = sock.getpeername()
         except OSError:
@@ -161,21 +169,32 @@ class FrameStream:
             self._waiter = None
 
     async def _wait_writable(self) -> None:
-        """Slow path of sending: the socket buffer is full."""
+        """Slow path of sending: the socket buffer is full. With a send timeout,
+        fails with :class:`SendTimeout` when the peer takes nothing for that long."""
         if self._closed:
             raise ClosedError("stream closed")
         fut = self._loop.create_future()
         self._wwaiter = fut
         fd = self.sock.fileno()
+        timeout = self.send_timeout
 
         def ready() -> None:
             if not fut.done():
                 fut.set_result(None)
 
+        def expired() -> None:
+            if not fut.done():
+                fut.set_exception(
+                    SendTimeout(f"peer {self.peer} took no reply bytes for {timeout:g} s")
+                )
+
+        timer = None if timeout is None else self._loop.call_later(timeout, expired)
         self._loop.add_writer(fd, ready)
         try:
             await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             self._wwaiter = None
             try:
                 self._loop.remove_writer(fd)

@@ -13,7 +13,7 @@ import pytest
 
 from gcache import wire
 from gcache.cli.deploy import LocalDeployment
-from gcache.errors import E_BAD_REQUEST
+from gcache.errors import E_BAD_REQUEST, E_BUSY, Busy, remote_error
 from tests import rawwire
 
 PER_PEER = 4
@@ -143,8 +143,10 @@ def test_connections_per_peer_capped(limited: LocalDeployment) -> None:
             s.sendall(wire.pack_frame(wire.Ping(), 1))
             assert rawwire.recv_frame(s)[0].msg_type == wire.T_OK
         extra = rawwire.connect(port)
-        head, err, _ = rawwire.recv_frame(extra)  # one ERROR frame, then closed
+        head, err, _ = rawwire.recv_frame(extra)  # one ERROR(E_BUSY) frame, then closed
         assert head.msg_type == wire.T_ERROR and "max_connections_per_peer" in err.message
+        assert (head.req_id, err.code) == (0, E_BUSY)  # was E_BAD_REQUEST
+        assert isinstance(remote_error(err.code, err.message), Busy)
         assert rawwire.closed_by_peer(extra, 3)
         extra.close()
         for s in socks:  # the N admitted ones stay usable
