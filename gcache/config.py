@@ -329,9 +329,20 @@ class ClientConfig:
     )
     token_file: str = _doc("file holding the access token", default="")
     tls_ca: str = _doc("PEM CA certificate of the meta's gRPC port (TLS on when set)", default="")
+    # -- router reports (client/gcache_client/router.py) --
+    router: str = _doc(
+        "gcache-router hot-path address host:port; with instance_id set, match() "
+        "reports its hits there (empty: no reports)",
+        default="",
+    )
+    instance_id: str = _doc("this engine instance's id at the router", default="")
 
     def check(self) -> None:
         _check_fields(self)
+        if self.router:
+            _check_hostport("client.router", self.router)
+            if not self.instance_id:
+                raise ConfigError("client.router is set: set client.instance_id too")
         for name in ("layers_in_flight", "max_inflight_writes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"client.{name} must be >= 1, got {getattr(self, name)}")

@@ -42,6 +42,7 @@ from gcache_client.layers import LayerStream
 from gcache_client.leases import ReleaseBatcher
 from gcache_client.plans import OFFLOAD_BYTES, copy_verify, halves, plan_layer, verify
 from gcache_client.pool import ConnectionPool
+from gcache_client.router import AsyncRouterClient
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 from gcache_client.writer import Writer
 
@@ -64,6 +65,12 @@ class AsyncGCacheClient:
         self._releases = ReleaseBatcher(self._meta_call)
         self._writer = Writer(self, self.pool)
         self._closed = False
+        # Hit reports to gcache-router after each match (client.router + instance_id).
+        self.router: AsyncRouterClient | None = (
+            AsyncRouterClient(self.config.router, timeout_s=self.config.timeout_s)
+            if self.config.router
+            else None
+        )
         self.counters: Counter[str] = Counter()
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -83,6 +90,8 @@ class AsyncGCacheClient:
         if not self._closed:
             await self._releases.close(self.config.timeout_s)
         self._closed = True
+        if self.router is not None:
+            await self.router.close()
         await self.pool.close()
 
     def _check_open(self) -> None:
@@ -216,9 +225,15 @@ class AsyncGCacheClient:
             return 0
         return int(res.tokens)
 
-    async def match(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> Match:
+    async def match(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, *, local_tokens: int = 0
+    ) -> Match:
         """Longest valid prefix with a read lease on its objects, ready for ``get`` or
-        ``get_layers``. Release it (or let it expire) when done."""
+        ``get_layers``. Release it (or let it expire) when done.
+
+        With ``client.router`` and ``client.instance_id`` set, the outcome goes to
+        the router as a hit report (without waiting): ``local_tokens`` (what the
+        engine already holds itself) and the tokens past them the pool holds."""
         self._check_open()
         block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
         try:
@@ -228,9 +243,17 @@ class AsyncGCacheClient:
         except GCacheError as exc:
             log.warning("match failed (miss): %s", exc)
             self.counters["misses"] += 1
+            self._report_hits(len(tokens), local_tokens, 0)
             return Match(ns, 0, 0)
         self.counters["hits" if res.blocks else "misses"] += 1
+        self._report_hits(len(tokens), local_tokens, int(res.tokens))
         return Match(ns, res.blocks, res.tokens, res.lease_id, res.objects, res.servers)
+
+    def _report_hits(self, prompt: int, local: int, pool: int) -> None:
+        if self.router is not None:
+            self.router.report_hits_nowait(
+                self.config.instance_id, prompt, local, max(0, pool - local)
+            )
 
     async def release(self, match: Match) -> None:
         """Give the match's lease back. The caller does not wait for it: the lease
@@ -370,4 +393,7 @@ class AsyncGCacheClient:
         log.warning("read failed, treating as a miss: %s", exc)
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters, **self.pool.stats()}
+        out = {**self.counters, **self.pool.stats()}
+        if self.router is not None:
+            out.update({f"router_{k}": v for k, v in self.router.stats().items()})
+        return out

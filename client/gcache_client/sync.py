@@ -92,8 +92,10 @@ class GCacheClient:
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
         return self._run(self.aio.lookup(ns, tokens))
 
-    def match(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> Match:
-        return self._run(self.aio.match(ns, tokens))
+    def match(
+        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, *, local_tokens: int = 0
+    ) -> Match:
+        return self._run(self.aio.match(ns, tokens, local_tokens=local_tokens))
 
     def release(self, match: Match) -> None:
         self._run(self.aio.release(match))
