@@ -56,6 +56,8 @@ COUNTERS = (
     "checkpoints_placed",
     "leases_granted",
     "leases_expired",
+    "leased_objects",
+    "leased_bytes",
     "servers_registered",
     "servers_dropped",
     "sessions_ended",

@@ -57,7 +57,10 @@ class Leases(Puts):
         self.leases[lease_id] = Lease(lease_id, ns, picked, expiry, session)
         session.leases.add(lease_id)
         heapq.heappush(self._lease_heap, (expiry, lease_id))
-        self.counters["leases_granted"] += 1
+        c = self.counters
+        c["leases_granted"] += 1
+        c["leased_objects"] += len(picked)
+        c["leased_bytes"] += sum(obj.length for obj in picked)
         return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
 
     def match(self, ns: NamespaceRecord, key_list: list[bytes], limit: int) -> int:

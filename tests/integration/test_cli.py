@@ -98,6 +98,9 @@ def test_up_demo_status_and_clean_stop(tmp_path: Path) -> None:
         assert st.returncode == 0 and "server0" in st.stdout and "lookups" in st.stdout
         # one unit system (binary) in status and the demo summary
         assert "256.0 MiB" in st.stdout and "tcp reads" in st.stdout, st.stdout
+        # reads over shared memory never reach a server: the meta counts what it leased
+        leased = re.search(r"leased to readers \(TCP and shared memory\): (\d+) objects", st.stdout)
+        assert leased is not None and int(leased.group(1)) > 0, st.stdout
         assert not re.search(r"\d (KB|MB|GB|TB)\b", st.stdout), st.stdout
         assert re.search(r"bytes read\s+[\d.]+ MiB at [\d.]+ GiB/s", text), text
         pids = _our_server_pids(tmp_path)
