@@ -75,6 +75,9 @@ class StorageServer:
         # Lines a remote peer can provoke at will: bounded rate.
         self.bad_frame_log = RateLimitedLog(log)
         self.refused_log = RateLimitedLog(log)
+        # Refused requests and connections that end badly: a client sends those at
+        # will too (one line each flooded the log), so they share a bounded rate.
+        self.request_log = RateLimitedLog(log, level=logging.INFO)
         self._stopping = asyncio.Event()
         # Control plane: read before anything starts, so a bad token file fails fast.
         self.cluster_token = load_cluster_token(cfg.cluster_token_file)
@@ -91,6 +94,7 @@ class StorageServer:
             "protocol_errors": self.protocol_errors,
             **self.bad_frame_log.stats("bad_frames"),
             **self.refused_log.stats("refused_connections"),
+            **self.request_log.stats("refused_requests"),
         }
 
     async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
@@ -116,7 +120,9 @@ class StorageServer:
                     try:
                         target = core.write_target(msg, head.payload_len, now_ms)
                     except Refusal as r:
-                        log.info("refused WRITE from %s: %s", stream.peer, r.message)
+                        self.request_log.log(
+                            time.monotonic(), "refused WRITE from %s: %s", stream.peer, r.message
+                        )
                         if head.payload_len > _MAX_DRAIN:
                             await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                             return
@@ -131,7 +137,9 @@ class StorageServer:
                     try:
                         views, total = core.read_views(msg, now_ms)
                     except Refusal as r:
-                        log.info("refused READ from %s: %s", stream.peer, r.message)
+                        self.request_log.log(
+                            time.monotonic(), "refused READ from %s: %s", stream.peer, r.message
+                        )
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
                     await stream.send_msg(wire.ReadData(total), head.req_id, views, total)
@@ -139,7 +147,9 @@ class StorageServer:
                     try:
                         receipts = core.seal(msg, now_ms)
                     except Refusal as r:
-                        log.info("refused SEAL from %s: %s", stream.peer, r.message)
+                        self.request_log.log(
+                            time.monotonic(), "refused SEAL from %s: %s", stream.peer, r.message
+                        )
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
                     await stream.send_msg(wire.Sealed(receipts), head.req_id)
@@ -159,7 +169,7 @@ class StorageServer:
             self.limiter.send_timeouts += 1
             self.refused_log.log(time.monotonic(), "closing connection: %s", exc)
         except GCacheError as exc:
-            log.info("connection from %s ended: %s", stream.peer, exc)
+            self.request_log.log(time.monotonic(), "connection from %s ended: %s", stream.peer, exc)
         except Exception:  # a bug must cost one connection, never the daemon
             log.exception("internal error on connection from %s", stream.peer)
         finally:

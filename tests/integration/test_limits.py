@@ -182,3 +182,28 @@ def test_bad_frame_burst_logs_a_bounded_number_of_warnings(limited: LocalDeploym
         assert "similar lines suppressed" in path.read_text()
     for port, _ in procs(limited):
         assert rawwire.call(port, wire.Ping())[0].msg_type == wire.T_OK
+
+
+def test_refused_requests_log_a_bounded_number_of_lines(limited: LocalDeployment) -> None:
+    """Requests a client can send at will that the server refuses (forged grants)
+    and connections that end badly were logged one INFO line each: 2000 forged
+    READs wrote 2000 lines. Now they share a rate limit like bad frames do."""
+    log_path = limited.servers[0].log_path
+    before = log_path.read_text().count(" INFO ")
+    port = limited.servers[0].port
+    forged = wire.Grant(0, 4096, int(time.time() * 1000) + 60_000, b"\x00" * 8)
+    read = wire.pack_frame(wire.Read([forged], [(0, 0, 4096)]), 5)
+    t0 = time.monotonic()
+    with rawwire.connect(port) as s:
+        for _ in range(2000):
+            s.sendall(read)
+            head, err, _ = rawwire.recv_frame(s)
+            assert head.msg_type == wire.T_ERROR, err  # refused, connection kept
+    for _ in range(200):  # connections that end mid-frame
+        with rawwire.connect(port) as s:
+            s.sendall(read[:-3])
+    elapsed = time.monotonic() - t0
+    time.sleep(0.3)
+    lines = log_path.read_text().count(" INFO ") - before
+    assert lines <= 2 * (10 + elapsed + 2), f"{lines} INFO lines for 2200 refusals"
+    assert rawwire.call(port, wire.Ping())[0].msg_type == wire.T_OK
