@@ -142,7 +142,11 @@ class StorageServer:
                         )
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
+                    # The decoded ranges (a tuple each) are spent: not held while a
+                    # large reply takes its time to go out.
+                    msg = None
                     await stream.send_msg(wire.ReadData(total), head.req_id, views, total)
+                    del views
                 elif head.msg_type == wire.T_SEAL:
                     try:
                         receipts = core.seal(msg, now_ms)

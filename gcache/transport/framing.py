@@ -14,7 +14,7 @@ sent), and shrinks back to the read-ahead size once a large frame is consumed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypeGuard
 
 from gcache import wire
 from gcache.errors import InvalidBody, ProtocolError
@@ -227,8 +227,15 @@ def peek_array_field(body: memoryview, index: int) -> int | None:
 # ---- sending and scattering -------------------------------------------------------------
 
 
+def _is_bytes_view(v: Buffer) -> TypeGuard[memoryview]:
+    return isinstance(v, memoryview) and v.format == "B" and v.ndim == 1 and v.contiguous
+
+
 def as_bytes_views(views: Sequence[Buffer]) -> list[memoryview]:
-    return [memoryview(v).cast("B") for v in views]
+    """``views`` as flat byte views; views that already are one are reused, not
+    wrapped again (a READ of 65536 ranges would otherwise hold 65536 more views,
+    about 12 MiB, for as long as its reply takes to send)."""
+    return [v if _is_bytes_view(v) else memoryview(v).cast("B") for v in views]
 
 
 def after_sent(views: Sequence[memoryview], sent: int) -> list[memoryview]:

@@ -10,6 +10,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +168,44 @@ def test_meta_closes_a_client_that_pipelines_without_reading(slow: LocalDeployme
     s.close()
     assert metric(slow.metrics_url, "gcache_meta_hotpath_connections_open") >= 0
     assert rawwire.call(port, wire.Ping())[0].msg_type == wire.T_OK
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_read_of_65536_ranges_holds_no_memory_once_answered(slow: LocalDeployment) -> None:
+    """A READ of 65536 one-byte ranges is a 1 MiB request for a 64 KiB reply, but
+    cost the server about 32 MiB (a view and a wrapped view per range, a tuple per
+    decoded range) that stayed held on the connection until its next request:
+    16 idle connections held about 500 MiB. Now the ranges are dropped before the
+    reply is sent and the views once it is."""
+    client = GCacheClient(slow.client_config(transport="tcp"))
+    try:
+        ns = client.register_namespace("ranges", LAYOUT)
+        kv = make_kv(ns.layout, len(TOKS), seed=12)
+        assert client.put(ns, TOKS, kv).ok
+        m = client.match(ns, TOKS)
+        g = next(iter(m.objects.values())).grant
+        n = 65536
+        read = wire.pack_frame(wire.Read([g], [(0, g.offset + i % g.length, 1) for i in range(n)]))
+        port, pid = slow.servers[0].port, slow.servers[0].popen.pid
+        base = rss(pid)
+        socks = []
+        for _ in range(16):
+            s = rawwire.connect(port)
+            s.sendall(read)
+            head, _, payload = rawwire.recv_frame(s)
+            assert head.msg_type == wire.T_READ_DATA and len(payload) == n
+            socks.append(s)  # answered, now idle
+        time.sleep(0.3)
+        grown = rss(pid) - base
+        assert grown < 128 << 20, f"server RSS grew {grown >> 20} MiB for 16 answered READs"
+        for s in socks:
+            s.close()
+        client.release(m)
+    finally:
+        client.close()
