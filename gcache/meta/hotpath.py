@@ -167,6 +167,10 @@ class HotPathServer:
                     log.exception("internal error handling message type %d", head.msg_type)
                     reply = wire.Error(E_INTERNAL, f"internal error: {exc!r}")
                 await stream.send_msg(reply, head.req_id)
+                # Drop the request and reply (131072 decoded keys, a reply of as many
+                # grants) now, not when the next request arrives: an idle
+                # connection holds nothing of its last request.
+                del msg, reply
         except ProtocolError as exc:
             self.protocol_errors += 1
             core.counters["protocol_errors"] += 1
