@@ -72,7 +72,7 @@ def _doc(text: str, *, zero_ok: bool = False, **kw: Any) -> Any:
 #   *_s              seconds, > 0 (>= 0 where the field says zero_ok)
 #   port, *_port     0..65535, 0 = any free port; those in _PORT_OFF also -1 = off
 #   *_watermark      a fraction in (0, 1]
-_PORT_OFF = frozenset({"metrics_port"})
+_PORT_OFF = frozenset({"metrics_port", "http_port"})
 
 
 def _where(cfg: Any, name: str) -> str:
@@ -354,8 +354,147 @@ class ClientConfig:
             raise ConfigError("set either token or token_file, not both")
 
 
-C = TypeVar("C", MetaConfig, ServerConfig, ClientConfig)
-_SECTIONS = {MetaConfig: "meta", ServerConfig: "server", ClientConfig: "client"}
+@dataclass(frozen=True)
+class RouterConfig:
+    """``gcache-router`` (gcache/router/daemon.py, docs/router.md)."""
+
+    host: str = _doc("address the router listens on (hot path and HTTP)", default="127.0.0.1")
+    port: int = _doc("framed hot-path port (Route, ReportHits, ReportLoad)", default=7900)
+    http_port: int = _doc(
+        "HTTP port: OpenAI proxy, /route, /healthz, /metrics; -1 disables", default=7901
+    )
+    instances: str = _doc(
+        "engine instances known at start, comma-separated [ID=]URL[@EVENTS]: ID defaults "
+        "to the URL's host:port, EVENTS is the instance's KV-event ZMQ PUB endpoint "
+        "(tcp://host:5557) the router subscribes to",
+        default="",
+    )
+    events_bind: str = _doc(
+        "ZMQ endpoint the router binds a SUB socket on for engines that connect their "
+        "KV-event publisher to it (vLLM: endpoint tcp://ROUTER:PORT); the topic is the "
+        "instance id; empty: none",
+        default="",
+    )
+    events_max_bytes: str = _doc("largest KV-event message accepted", default="16MiB")
+    namespace: str = _doc(
+        "namespace fingerprint (32 hex digits, as the meta registers it) the prompts' "
+        "block keys chain from; empty: derived from model (then the pool match is off)",
+        default="",
+    )
+    model: str = _doc("model name used when namespace is empty", default="gcache-router")
+    layout: str = _doc(
+        "layout preset (mimo-v2-flash, llama-3-8b) or a layout JSON file: decides "
+        "window-safe matches",
+        default="mimo-v2-flash",
+    )
+    block_size: int = _doc("tokens per block (the engines' and GCache's)", default=64)
+    tokenizer: str = _doc(
+        "how the HTTP front turns a text prompt into token ids: bytes (UTF-8 bytes, "
+        "as gcache-engine does) or none (prompts must be token ids)",
+        default="bytes",
+    )
+    meta: str = _doc(
+        "GCache meta hot-path host:port for the pool match (Lookup, no lease); empty: off",
+        default="",
+    )
+    pool_timeout_s: float = _doc(
+        "longest wait for the meta's pool match; past it a route counts no pool hit",
+        default=0.05,
+    )
+    policy: str = _doc(
+        "routing policy: gcache, round-robin, least-load, sglang, dynamo", default="gcache"
+    )
+    weights: str = _doc(
+        "policy weights overriding their documented defaults, comma-separated name=value "
+        "(e.g. pool_token_cost=0.1,load_weight=1)",
+        default="",
+    )
+    seed: int = _doc("seed of the policy's tie-breaking random generator", default=0)
+    instance_ttl_s: float = _doc(
+        "an instance not heard from (load report, KV event, health probe) for this long "
+        "is not routed to",
+        default=10.0,
+    )
+    instance_forget_s: float = _doc(
+        "an instance silent for this long is forgotten with its index", default=600.0
+    )
+    health_interval_s: float = _doc(
+        "probe each instance URL's health_path this often (a success keeps it live); 0: off",
+        default=2.0,
+        zero_ok=True,
+    )
+    health_path: str = _doc("engine health endpoint probed", default="/health")
+    max_instances: int = _doc("instances tracked at once", default=64)
+    max_blocks_per_instance: int = _doc(
+        "blocks indexed per instance; past it the oldest are evicted", default=262144
+    )
+    max_proxied: int = _doc(
+        "HTTP requests proxied at once; past it the router answers 503", default=1024
+    )
+    proxy_timeout_s: float = _doc(
+        "longest a proxied request may take, streaming included", default=600.0
+    )
+    max_http_body: str = _doc("largest HTTP request body accepted", default="16MiB")
+    ready_file: str = _doc("write 'host port http_port' here when up", default="")
+    # -- hot-path connections (gcache/transport) --
+    max_body: str = _doc("largest frame body the hot path accepts", default="4MiB")
+    idle_timeout_s: float = _doc(
+        "close a hot-path connection that sends no frame for this long", default=300.0
+    )
+    send_timeout_s: float = _doc(
+        "close a hot-path connection whose client takes no byte of a reply for this long",
+        default=30.0,
+    )
+    max_connections: int = _doc("hot-path connections open at once", default=4096)
+    max_connections_per_peer: int = _doc(
+        "hot-path connections open at once from one address", default=1024
+    )
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_size(self.max_body)
+
+    def check(self) -> None:
+        _check_fields(self)
+        _check_connections(self)
+        for name in ("events_max_bytes", "max_http_body"):
+            try:
+                if parse_size(getattr(self, name)) < 4096:
+                    raise ConfigError(f"router.{name} must be at least 4KiB")
+            except ConfigError as exc:
+                raise ConfigError(f"router.{name}: {exc}") from exc
+        if self.namespace:
+            try:
+                if len(bytes.fromhex(self.namespace)) != 16:
+                    raise ValueError
+            except ValueError:
+                raise ConfigError(
+                    f"router.namespace must be 32 hex digits, got {self.namespace!r}"
+                ) from None
+        if not 1 <= self.block_size <= 4096:
+            raise ConfigError(f"router.block_size must be in 1..4096, got {self.block_size}")
+        if self.tokenizer not in ("bytes", "none"):
+            raise ConfigError(f"router.tokenizer must be bytes or none, got {self.tokenizer!r}")
+        if self.meta:
+            _check_hostport("router.meta", self.meta)
+        if not 1 <= self.max_instances <= 1024:
+            raise ConfigError(f"router.max_instances must be in 1..1024, got {self.max_instances}")
+        for name in ("max_blocks_per_instance", "max_proxied"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"router.{name} must be >= 1, got {getattr(self, name)}")
+        if self.instance_forget_s < self.instance_ttl_s:
+            raise ConfigError("router.instance_forget_s must be >= router.instance_ttl_s")
+        if not self.health_path.startswith("/"):
+            raise ConfigError(f"router.health_path must start with /, got {self.health_path!r}")
+
+
+C = TypeVar("C", MetaConfig, ServerConfig, ClientConfig, RouterConfig)
+_SECTIONS = {
+    MetaConfig: "meta",
+    ServerConfig: "server",
+    ClientConfig: "client",
+    RouterConfig: "router",
+}
 
 
 _TRUE = ("1", "true", "yes", "on")
