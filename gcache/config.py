@@ -488,12 +488,95 @@ class RouterConfig:
             raise ConfigError(f"router.health_path must start with /, got {self.health_path!r}")
 
 
-C = TypeVar("C", MetaConfig, ServerConfig, ClientConfig, RouterConfig)
+@dataclass(frozen=True)
+class EngineConfig:
+    """``gcache-engine`` (client/gcache_client/engine_server.py): the toy OpenAI-
+    compatible engine instance with its own prefix cache and GCache as the pool."""
+
+    host: str = _doc("address the HTTP server listens on", default="127.0.0.1")
+    port: int = _doc("HTTP port (0: any free)", default=8000)
+    url: str = _doc(
+        "URL the router is told to reach this instance at (empty: http://host:port)", default=""
+    )
+    instance_id: str = _doc(
+        "this instance's id at the router (empty: host:port of url)", default=""
+    )
+    meta: str = _doc("GCache meta hot-path address host:port (the pool)", default="127.0.0.1:7700")
+    meta_grpc: str = _doc("GCache meta gRPC address host:port", default="127.0.0.1:7701")
+    transport: str = _doc("GCache data path: auto, tcp, shm", default="auto")
+    router: str = _doc(
+        "gcache-router hot-path host:port: hit reports after each lookup and load reports "
+        "(empty: none)",
+        default="",
+    )
+    kv_events_endpoint: str = _doc(
+        "ZMQ endpoint KV events (vLLM format) are published on: with '*' bound "
+        "(tcp://*:5557, the router subscribes), else connected to (the router's "
+        "events_bind); empty: no events",
+        default="",
+    )
+    kv_events_topic: str = _doc("ZMQ topic of the events (empty: the instance id)", default="")
+    model_id: str = _doc(
+        "model name the GCache namespace is registered under", default="demo/tiny-mimo-v2-flash"
+    )
+    layers: int = _doc("layers of the tiny random-weight MiMo-V2-Flash model", default=6)
+    hidden: int = _doc("hidden size of the model", default=256)
+    seed: int = _doc("weight seed (every instance of a fleet needs the same)", default=0)
+    block_size: int = _doc("tokens per block", default=64)
+    local_capacity: str = _doc(
+        "bytes of KV the instance's own prefix cache holds", default="256MiB"
+    )
+    max_queue: int = _doc("requests waiting at once; past it the engine answers 503", default=64)
+    max_prompt_tokens: int = _doc("longest prompt accepted", default=32768)
+    max_tokens: int = _doc("most tokens one request may generate", default=4096)
+    default_max_tokens: int = _doc("tokens generated when a request names none", default=16)
+    load_interval_s: float = _doc("report load to the router this often", default=0.5)
+    ready_file: str = _doc("write 'host port' here when serving", default="")
+
+    def check(self) -> None:
+        _check_fields(self)
+        for name in ("meta", "meta_grpc"):
+            _check_hostport(f"engine.{name}", getattr(self, name))
+        if self.router:
+            _check_hostport("engine.router", self.router)
+        if self.transport not in ("auto", "tcp", "shm"):
+            raise ConfigError(f"engine.transport must be auto, tcp or shm, got {self.transport!r}")
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(
+            ("tcp://", "ipc://", "inproc://")
+        ):
+            raise ConfigError(
+                "engine.kv_events_endpoint must start with tcp://, ipc:// or inproc://, "
+                f"got {self.kv_events_endpoint!r}"
+            )
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine.url must start with http:// or https://, got {self.url!r}")
+        try:
+            if parse_size(self.local_capacity) < 1 << 20:
+                raise ConfigError("must be at least 1MiB")
+        except ConfigError as exc:
+            raise ConfigError(f"engine.local_capacity: {exc}") from exc
+        for name in (
+            "layers",
+            "hidden",
+            "block_size",
+            "max_queue",
+            "max_prompt_tokens",
+            "max_tokens",
+            "default_max_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_tokens:
+            raise ConfigError("engine.default_max_tokens must be <= engine.max_tokens")
+
+
+C = TypeVar("C", MetaConfig, ServerConfig, ClientConfig, RouterConfig, EngineConfig)
 _SECTIONS = {
     MetaConfig: "meta",
     ServerConfig: "server",
     ClientConfig: "client",
     RouterConfig: "router",
+    EngineConfig: "engine",
 }
 
 
