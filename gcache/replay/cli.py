@@ -12,7 +12,7 @@ from typing import Any
 from gcache.config import parse_size
 from gcache.errors import ConfigError, GCacheError, LayoutError
 from gcache.layout import PRESETS
-from gcache.replay import report
+from gcache.replay import report, router_report
 from gcache.replay.runner import DEFAULT_POLICIES, POLICIES, Options, sweep
 from gcache.replay.trace import TraceError, load
 
@@ -31,8 +31,9 @@ def add_parser(sub: Any) -> None:
     )
     rp.add_argument(
         "--policy",
-        default=",".join(DEFAULT_POLICIES),
-        help=f"comma-separated, from: {', '.join(POLICIES)}",
+        default="",
+        help=f"comma-separated, from: {', '.join(POLICIES)} (default: all); with --router "
+        "the routing policies (default: all)",
     )
     rp.add_argument(
         "--checkpoint-interval",
@@ -45,13 +46,17 @@ def add_parser(sub: Any) -> None:
     rp.add_argument("--json", default="", help="write the rows as JSON here")
     rp.add_argument("--plot", default="", help="draw FLOPs saved against capacity (PNG)")
     rp.add_argument("--quiet", action="store_true", help="no progress lines")
+    router_report.add_arguments(rp)
     rp.set_defaults(func=cmd_replay)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.router:
+        return router_report.cmd_router(args)
     try:
         capacities = [parse_size(c.strip()) for c in args.capacity.split(",") if c.strip()]
-        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+        policy = args.policy or ",".join(DEFAULT_POLICIES)
+        policies = [p.strip() for p in policy.split(",") if p.strip()]
         bad = [p for p in policies if p not in POLICIES]
         if bad or not policies:
             raise ConfigError(f"unknown policy {bad[0] if bad else ''!r}; known: {POLICIES}")

@@ -44,6 +44,7 @@ class Trace:
     block_size: int
     times: list[float] = field(default_factory=list)  # seconds from the start
     lengths: list[int] = field(default_factory=list)  # prompt tokens
+    outputs: list[int] = field(default_factory=list)  # generated tokens
     keys: list[list[bytes]] = field(default_factory=list)
 
     @property
@@ -105,6 +106,7 @@ def load(path: str | Path, block_size: int, limit: int = 0) -> Trace:
                 keys += ks if (i + 1) * sub <= nblocks else ks[: nblocks - i * sub]
             trace.times.append(rec.timestamp / 1000.0)
             trace.lengths.append(rec.input_length)
+            trace.outputs.append(rec.output_length)
             trace.keys.append(keys)
             if limit and trace.requests >= limit:
                 break

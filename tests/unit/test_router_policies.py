@@ -159,7 +159,7 @@ def test_sglang_tree_from_routed_requests_only() -> None:
     again = pol.choose(r, view, 0.0)
     assert (again.instance, again.reason) == (first.instance, "affinity")
     # a request sharing less than cache_threshold (0.5) goes to the smallest tree
-    half = RouteRequest(r.keys[:40] + keys(60, tag=9), 100 * BS)
+    half = RouteRequest([*r.keys[:40], *keys(60, tag=9)], 100 * BS)
     other = pol.choose(half, view, 0.0)
     assert other.instance != first.instance and other.reason == "smallest-tree"
 
