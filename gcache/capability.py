@@ -17,21 +17,40 @@ from typing import Final
 
 KIND_READ: Final = b"R"
 KIND_WRITE: Final = b"W"
-_MSG: Final = struct.Struct("!cQQQ")
+_MSG: Final = struct.Struct("!cQQQBQ")
 TAG_SIZE: Final = 8
 
 
-def mint(secret: bytes, kind: bytes, offset: int, length: int, expiry_ms: int) -> bytes:
+def mint(
+    secret: bytes,
+    kind: bytes,
+    offset: int,
+    length: int,
+    expiry_ms: int,
+    tier: int = 0,
+    epoch: int = 0,
+) -> bytes:
+    """The tag of a grant; ``tier`` (0 DRAM, 1 NVMe) and the minting meta's
+    ``epoch`` are covered, so neither can be changed by the holder."""
     return hashlib.blake2b(
-        _MSG.pack(kind, offset, length, expiry_ms), key=secret, digest_size=TAG_SIZE
+        _MSG.pack(kind, offset, length, expiry_ms, tier, epoch), key=secret, digest_size=TAG_SIZE
     ).digest()
 
 
-def check(secret: bytes, kind: bytes, offset: int, length: int, expiry_ms: int, tag: bytes) -> bool:
+def check(
+    secret: bytes,
+    kind: bytes,
+    offset: int,
+    length: int,
+    expiry_ms: int,
+    tag: bytes,
+    tier: int = 0,
+    epoch: int = 0,
+) -> bool:
     """Constant-time comparison of a presented tag with the expected one."""
     import hmac
 
-    return hmac.compare_digest(mint(secret, kind, offset, length, expiry_ms), tag)
+    return hmac.compare_digest(mint(secret, kind, offset, length, expiry_ms, tier, epoch), tag)
 
 
 KIND_DONE: Final = b"D"

@@ -90,6 +90,12 @@ class Grant(Msg):
     length: int
     expiry_ms: int
     tag: bytes
+    # Issue 10: which tier the range lies in (0 = DRAM segment, 1 = NVMe tier,
+    # read-only), and the meta epoch that minted it (a server refuses write
+    # grants of an epoch older than the meta it registered with). Both are
+    # covered by the tag.
+    tier: int = 0
+    epoch: int = 0
 
 
 class Write(Msg):
@@ -134,6 +140,9 @@ class ServerAddr(Msg):
     hostname: str
     shm_path: str
     incarnation: int = 0  # new on every server start: a client's mapping of an older one is stale
+    # Measured by the server at start (GB/s), for the client's load-or-recompute rule.
+    dram_read_gbps: float = 0.0
+    nvme_read_gbps: float = 0.0
 
 
 class PutBegin(Msg):
@@ -194,7 +203,7 @@ class ObjectLoc(Msg):
     block: int
     group: int
     server: int
-    grant: Grant
+    grant: Grant  # grant.tier says which tier the object is on
     sums: bytes
 
 

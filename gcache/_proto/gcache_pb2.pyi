@@ -6,8 +6,74 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StoredObject(_message.Message):
+    __slots__ = ("namespace", "key", "parent", "pos", "group", "tier", "offset", "length", "sums", "seq")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    POS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    pos: int
+    group: int
+    tier: int
+    offset: int
+    length: int
+    sums: bytes
+    seq: int
+    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., pos: _Optional[int] = ..., group: _Optional[int] = ..., tier: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., sums: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class ReportObjectsRequest(_message.Message):
+    __slots__ = ("server_id", "incarnation", "epoch", "objects", "last")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    incarnation: int
+    epoch: int
+    objects: _containers.RepeatedCompositeFieldContainer[StoredObject]
+    last: bool
+    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class ReportObjectsReply(_message.Message):
+    __slots__ = ("adopted", "dropped")
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    adopted: int
+    dropped: int
+    def __init__(self, adopted: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class DemoteCommand(_message.Message):
+    __slots__ = ("object",)
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    object: StoredObject
+    def __init__(self, object: _Optional[_Union[StoredObject, _Mapping]] = ...) -> None: ...
+
+class Demoted(_message.Message):
+    __slots__ = ("dram_offset", "length", "nvme_offset", "ok", "error")
+    DRAM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NVME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    dram_offset: int
+    length: int
+    nvme_offset: int
+    ok: bool
+    error: str
+    def __init__(self, dram_offset: _Optional[int] = ..., length: _Optional[int] = ..., nvme_offset: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
 class RegisterServerRequest(_message.Message):
-    __slots__ = ("server_id", "host", "port", "hostname", "shm_path", "capacity", "secret", "incarnation")
+    __slots__ = ("server_id", "host", "port", "hostname", "shm_path", "capacity", "secret", "incarnation", "nvme_capacity", "dram_read_gbps", "nvme_read_gbps", "nvme_write_gbps", "objects")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +82,11 @@ class RegisterServerRequest(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NVME_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DRAM_READ_GBPS_FIELD_NUMBER: _ClassVar[int]
+    NVME_READ_GBPS_FIELD_NUMBER: _ClassVar[int]
+    NVME_WRITE_GBPS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     host: str
     port: int
@@ -24,15 +95,22 @@ class RegisterServerRequest(_message.Message):
     capacity: int
     secret: bytes
     incarnation: int
-    def __init__(self, server_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., hostname: _Optional[str] = ..., shm_path: _Optional[str] = ..., capacity: _Optional[int] = ..., secret: _Optional[bytes] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    nvme_capacity: int
+    dram_read_gbps: float
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    objects: int
+    def __init__(self, server_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., hostname: _Optional[str] = ..., shm_path: _Optional[str] = ..., capacity: _Optional[int] = ..., secret: _Optional[bytes] = ..., incarnation: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., dram_read_gbps: _Optional[float] = ..., nvme_read_gbps: _Optional[float] = ..., nvme_write_gbps: _Optional[float] = ..., objects: _Optional[int] = ...) -> None: ...
 
 class RegisterServerReply(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "epoch")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    epoch: int
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ServerCounters(_message.Message):
     __slots__ = ("reads", "writes", "read_bytes", "write_bytes", "errors", "connections", "freed_bytes", "connections_accepted", "connections_refused", "connections_idle_closed", "connections_send_timeouts", "protocol_errors", "bad_frames_suppressed")
@@ -65,14 +143,20 @@ class ServerCounters(_message.Message):
     def __init__(self, reads: _Optional[int] = ..., writes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., errors: _Optional[int] = ..., connections: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., connections_accepted: _Optional[int] = ..., connections_refused: _Optional[int] = ..., connections_idle_closed: _Optional[int] = ..., connections_send_timeouts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., bad_frames_suppressed: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "incarnation", "counters")
+    __slots__ = ("server_id", "incarnation", "counters", "demoted", "nvme_used", "epoch")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    NVME_USED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     incarnation: int
     counters: ServerCounters
-    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ...) -> None: ...
+    demoted: _containers.RepeatedCompositeFieldContainer[Demoted]
+    nvme_used: int
+    epoch: int
+    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., demoted: _Optional[_Iterable[_Union[Demoted, _Mapping]]] = ..., nvme_used: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Range(_message.Message):
     __slots__ = ("offset", "length")
@@ -83,12 +167,18 @@ class Range(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("reregister", "free")
+    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme")
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_FIELD_NUMBER: _ClassVar[int]
+    DEMOTE_FIELD_NUMBER: _ClassVar[int]
+    DROP_NVME_FIELD_NUMBER: _ClassVar[int]
     reregister: bool
     free: _containers.RepeatedCompositeFieldContainer[Range]
-    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
+    adopt: _containers.RepeatedCompositeFieldContainer[StoredObject]
+    demote: _containers.RepeatedCompositeFieldContainer[DemoteCommand]
+    drop_nvme: _containers.RepeatedCompositeFieldContainer[Range]
+    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype")

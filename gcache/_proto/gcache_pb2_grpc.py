@@ -59,6 +59,11 @@ class ControlStub:
                 request_serializer=gcache__pb2.EvictRequest.SerializeToString,
                 response_deserializer=gcache__pb2.EvictReply.FromString,
                 _registered_method=True)
+        self.ReportObjects = channel.stream_unary(
+                '/gcache.v1.Control/ReportObjects',
+                request_serializer=gcache__pb2.ReportObjectsRequest.SerializeToString,
+                response_deserializer=gcache__pb2.ReportObjectsReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -99,6 +104,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportObjects(self, request_iterator, context):
+        """After RegisterServer: the server streams the manifest of every object it holds
+        (DRAM and NVMe), so a restarted meta rebuilds its index and never places new
+        data over ranges a server has not reported. Chunks of at most a few thousand.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=gcache__pb2.EvictRequest.FromString,
                     response_serializer=gcache__pb2.EvictReply.SerializeToString,
+            ),
+            'ReportObjects': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReportObjects,
+                    request_deserializer=gcache__pb2.ReportObjectsRequest.FromString,
+                    response_serializer=gcache__pb2.ReportObjectsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,33 @@ class Control:
             '/gcache.v1.Control/Evict',
             gcache__pb2.EvictRequest.SerializeToString,
             gcache__pb2.EvictReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportObjects(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gcache.v1.Control/ReportObjects',
+            gcache__pb2.ReportObjectsRequest.SerializeToString,
+            gcache__pb2.ReportObjectsReply.FromString,
             options,
             channel_credentials,
             insecure,
