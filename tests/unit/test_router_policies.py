@@ -190,3 +190,15 @@ def test_dynamo_cost_is_prefill_plus_decode_blocks() -> None:
     assert d.instance == "b" and d.cost == pytest.approx((100 * BS + 10) / BS + 101)
     view.loads["a"] = InstanceLoad(active_blocks=40)
     assert pol.choose(req(100), view, 0.0).instance == "a"
+
+
+def test_sglang_trees_are_bounded_and_forget_gone_instances() -> None:
+    pol = make_policy("sglang", max_tree_blocks=50)
+    view = View(["a", "b"])
+    for tag in range(10):
+        r = RouteRequest(keys(30, tag=tag), 30 * BS)
+        pol.routed(r, pol.choose(r, view, 0.0), 0.0)
+    trees = pol.trees  # type: ignore[attr-defined]
+    assert all(len(t.keys) <= 50 for t in trees.values())
+    pol.choose(req(3), View(["b"]), 0.0)
+    assert set(trees) <= {"b"}
