@@ -13,6 +13,8 @@ meta with ``PutCommit``."""
 from __future__ import annotations
 
 import heapq
+from array import array
+from collections.abc import Iterator
 from typing import Final
 
 from gcache import capability, wire
@@ -20,11 +22,51 @@ from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_NO_SPACE, E_OUT_OF_R
 from gcache.storage.segment import Segment
 
 MAX_READ_RANGES: Final = 1 << 16
+# Views of a READ reply made at once while it is sent (one sendmsg's worth).
+READ_BATCH: Final = 512
 _VERIFIED_MAX: Final = 1 << 16
 # Used write grants remembered until they expire. A grant lives at most the meta's
 # put timeout, so this bounds the writes a server accepts per put timeout.
 MAX_USED_GRANTS: Final = 1 << 20
 MAX_SEAL_GRANTS: Final = 1 << 16
+
+
+def _granted(grants: list[wire.Grant]) -> int:
+    """Bytes a READ's grants cover, each distinct ``(offset, length)`` once."""
+    return sum(length for _, length in {(g.offset, g.length) for g in grants})
+
+
+class ReadReply:
+    """A checked READ's reply: ``total`` bytes, the segment ranges in order.
+
+    The views are made :data:`READ_BATCH` at a time, as the sender asks for them
+    (:meth:`batches`): until then a range costs 16 bytes in two arrays. A client that
+    stops reading a 65536-range reply makes the server hold 1 MiB and one batch of
+    views, not 65536 views (about 14 MiB) for as long as the send waits."""
+
+    __slots__ = ("_lengths", "_offsets", "_seg", "total")
+
+    def __init__(
+        self, seg: memoryview, offsets: array[int], lengths: array[int], total: int
+    ) -> None:
+        self._seg = seg
+        self._offsets = offsets
+        self._lengths = lengths
+        self.total = total
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def batches(self, size: int = READ_BATCH) -> Iterator[list[memoryview]]:
+        """The reply's views, ``size`` at a time, each batch made when asked for."""
+        seg, offsets, lengths = self._seg, self._offsets, self._lengths
+        for i in range(0, len(offsets), size):
+            part = zip(offsets[i : i + size], lengths[i : i + size], strict=True)
+            yield [seg[off : off + n] for off, n in part]
+
+    def views(self) -> list[memoryview]:
+        """Every view at once (for tests and small replies)."""
+        return [v for batch in self.batches() for v in batch]
 
 
 class DataPlaneCore:
@@ -161,18 +203,25 @@ class DataPlaneCore:
         self.bytes_sealed += nbytes
         return [self.receipt(g) for g in grants]
 
-    def read_views(self, msg: wire.Read, now_ms: int) -> tuple[list[memoryview], int]:
-        """The segment views a READ returns, in order, and their total size."""
+    def read_views(self, msg: wire.Read, now_ms: int) -> ReadReply:
+        """Check a READ whole (grants, every range, the reply size) and return its
+        reply, whose views are made only as it is sent (:class:`ReadReply`).
+
+        A reply is at most the bytes its distinct grants cover: ranges may repeat
+        a granted byte, but not so often that a small request asks for a reply
+        larger than everything it was granted (65536 copies of a 128 KiB grant made
+        a 0.5 MiB request ask for 8 GiB)."""
         try:
-            if len(msg.ranges) > MAX_READ_RANGES:
+            ranges = msg.ranges
+            if len(ranges) > MAX_READ_RANGES:
                 raise Refusal(E_BAD_REQUEST, f"more than {MAX_READ_RANGES} ranges")
-            for grant in msg.grants:
-                self._check_grant(capability.KIND_READ, grant, now_ms)
-            views: list[memoryview] = []
-            total = 0
-            seg = self.segment.view
             grants = msg.grants
-            for gi, off, length in msg.ranges:
+            for grant in grants:
+                self._check_grant(capability.KIND_READ, grant, now_ms)
+            offsets = array("Q")
+            lengths = array("Q")
+            total = 0
+            for gi, off, length in ranges:
                 if not 0 <= gi < len(grants):
                     raise Refusal(E_BAD_REQUEST, f"range names grant {gi} of {len(grants)}")
                 g = grants[gi]
@@ -182,14 +231,21 @@ class DataPlaneCore:
                         f"range [{off}, +{length}) is not inside its grant "
                         f"[{g.offset}, +{g.length})",
                     )
-                views.append(seg[off : off + length])
+                offsets.append(off)
+                lengths.append(length)
                 total += length
+            if total > _granted(grants):
+                raise Refusal(
+                    E_BAD_REQUEST,
+                    f"READ asks for {total} bytes, more than the {_granted(grants)} bytes "
+                    "its distinct grants cover",
+                )
         except Refusal:
             self.refused += 1
             raise
         self.reads += 1
         self.bytes_read += total
-        return views, total
+        return ReadReply(self.segment.view, offsets, lengths, total)
 
     def free(self, offset: int, length: int) -> None:
         """The meta freed this range. Its pages stay mapped: the meta may already

@@ -135,7 +135,7 @@ class StorageServer:
                     await stream.send_msg(wire.Ok(core.receipt(msg.grant)), head.req_id)
                 elif head.msg_type == wire.T_READ:
                     try:
-                        views, total = core.read_views(msg, now_ms)
+                        reply = core.read_views(msg, now_ms)
                     except Refusal as r:
                         self.request_log.log(
                             time.monotonic(), "refused READ from %s: %s", stream.peer, r.message
@@ -143,10 +143,13 @@ class StorageServer:
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
                     # The decoded ranges (a tuple each) are spent: not held while a
-                    # large reply takes its time to go out.
+                    # large reply takes its time to go out; its views are made a
+                    # batch at a time as the socket takes them.
                     msg = None
-                    await stream.send_msg(wire.ReadData(total), head.req_id, views, total)
-                    del views
+                    await stream.send_msg_batches(
+                        wire.ReadData(reply.total), head.req_id, reply.batches(), reply.total
+                    )
+                    del reply
                 elif head.msg_type == wire.T_SEAL:
                     try:
                         receipts = core.seal(msg, now_ms)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gcache import wire
@@ -309,6 +309,26 @@ class FrameStream:
             await self.send_views([head, *payload])
         finally:
             head.release()
+
+    async def send_msg_batches(
+        self,
+        msg: wire.Msg,
+        req_id: int,
+        batches: Iterable[Sequence[Buffer]],
+        payload_len: int,
+    ) -> None:
+        """Send one frame of ``payload_len`` payload bytes whose views come in
+        batches, each taken from ``batches`` only once the previous one went out:
+        a reply waiting on a slow reader holds one batch of views, not all of them.
+        The header goes out with the first batch."""
+        it = iter(batches)
+        head = self._encoder.encode(msg, req_id, payload_len)
+        try:
+            await self.send_views([head, *next(it, ())])
+        finally:
+            head.release()
+        for batch in it:
+            await self.send_views(batch)
 
     async def send_views(self, views: Sequence[Buffer]) -> None:
         """Send every view, ``IOV_BATCH`` per ``sendmsg``; when the socket is full,

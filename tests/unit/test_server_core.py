@@ -23,7 +23,7 @@ from gcache.errors import (
     GCacheError,
     Refusal,
 )
-from gcache.server.core import MAX_READ_RANGES, DataPlaneCore
+from gcache.server.core import MAX_READ_RANGES, READ_BATCH, DataPlaneCore
 from gcache.storage.segment import Segment
 
 CAP = 1 << 20
@@ -71,11 +71,12 @@ def write(core: DataPlaneCore, g: wire.Grant, data: bytes, now: int = NOW) -> No
 
 
 def read(core: DataPlaneCore, msg: wire.Read, now: int = NOW) -> bytes:
-    views, total = core.read_views(msg, now)
+    reply = core.read_views(msg, now)
+    views = reply.views()
     out = b"".join(bytes(v) for v in views)
     for v in views:
         v.release()
-    assert total == len(out)
+    assert reply.total == len(out) and len(reply) == len(msg.ranges)
     return out
 
 
@@ -84,7 +85,7 @@ def read(core: DataPlaneCore, msg: wire.Read, now: int = NOW) -> bytes:
 
 def test_mint_is_keyed_blake2b_of_packed_fields() -> None:
     expected = hashlib.blake2b(
-        b"W" + struct.pack("!QQQ", 4096, 100, LATER), key=SECRET, digest_size=8
+        b"W" + struct.pack("!QQQBQ", 4096, 100, LATER, 0, 0), key=SECRET, digest_size=8
     ).digest()
     assert capability.mint(SECRET, b"W", 4096, 100, LATER) == expected
     assert capability.check(SECRET, b"W", 4096, 100, LATER, expected)
@@ -232,8 +233,8 @@ def test_reads_return_written_bytes(core: DataPlaneCore) -> None:
 
 
 def test_read_empty_ranges(core: DataPlaneCore) -> None:
-    views, total = core.read_views(wire.Read([rgrant(0, 10)], []), NOW)
-    assert views == [] and total == 0
+    reply = core.read_views(wire.Read([rgrant(0, 10)], []), NOW)
+    assert reply.views() == [] and reply.total == 0
 
 
 @pytest.mark.parametrize(
@@ -324,15 +325,38 @@ def test_read_any_bad_grant_refuses_whole_read(core: DataPlaneCore) -> None:
 
 
 def test_too_many_ranges(core: DataPlaneCore) -> None:
-    g = rgrant(0, 1024)
-    ok = wire.Read([g], [(0, 0, 1)] * MAX_READ_RANGES)
-    views, total = core.read_views(ok, NOW)
-    assert total == MAX_READ_RANGES
-    for v in views:
-        v.release()
+    g = rgrant(0, MAX_READ_RANGES)
+    ok = wire.Read([g], [(0, i, 1) for i in range(MAX_READ_RANGES)])
+    reply = core.read_views(ok, NOW)
+    assert reply.total == MAX_READ_RANGES
+    batches = list(reply.batches())
+    assert len(batches) == MAX_READ_RANGES // READ_BATCH
+    assert all(len(b) == READ_BATCH for b in batches)
+    for b in batches:
+        for v in b:
+            v.release()
     with pytest.raises(Refusal) as exc:
         core.read_views(wire.Read([g], [(0, 0, 1)] * (MAX_READ_RANGES + 1)), NOW)
     refused(exc, E_BAD_REQUEST)
+
+
+def test_read_reply_at_most_its_distinct_grants(core: DataPlaneCore) -> None:
+    """Ranges may repeat granted bytes, but the reply is at most what the READ's
+    distinct grants cover: 65536 copies of one grant made a tiny request ask for
+    65536 times its grant."""
+    g, h = rgrant(0, 64), rgrant(4096, 32)
+    write(core, wgrant(0, 64), b"a" * 64)
+    assert read(core, wire.Read([g, h], [(0, 0, 64), (0, 0, 32)])) == b"a" * 96  # <= 96
+    for msg in (
+        wire.Read([g], [(0, 0, 64), (0, 0, 1)]),
+        wire.Read([g, g, g], [(0, 0, 64), (1, 0, 64)]),  # a repeated grant counts once
+        wire.Read([g], [(0, 0, 64)] * MAX_READ_RANGES),
+    ):
+        with pytest.raises(Refusal) as exc:
+            core.read_views(msg, NOW)
+        refused(exc, E_BAD_REQUEST)
+        assert "distinct grants cover" in exc.value.message
+    assert core.stats()["refused"] == 3 and core.stats()["reads"] == 1
 
 
 def test_refusal_counters(core: DataPlaneCore) -> None:
@@ -411,6 +435,8 @@ def test_range_rule(
                 code = E_OUT_OF_RANGE
                 break
             expected += data[off - goff : off - goff + n]
+        if code is None and len(expected) > glen:
+            code = E_BAD_REQUEST  # more bytes than the grant covers
         if code is None:
             assert read(core, wire.Read([g], abs_ranges)) == expected
         else:
