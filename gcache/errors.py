@@ -88,6 +88,10 @@ class Busy(RemoteError):
     """The daemon is at a connection limit and refused this connection."""
 
 
+class NoInstance(RemoteError):
+    """The router has no live engine instance to route to."""
+
+
 class ConnectionLost(GCacheError):
     """The peer closed or reset the connection, or it timed out."""
 
@@ -114,6 +118,7 @@ E_OUT_OF_RANGE = 5
 E_UNKNOWN_PUT = 6
 E_UNKNOWN_SERVER = 7
 E_BUSY = 8  # connection refused at a connection limit (sent with request id 0)
+E_NO_INSTANCE = 9  # gcache-router: no live engine instance to route to
 E_INTERNAL = 99
 
 _BY_CODE: dict[int, type[RemoteError]] = {
@@ -122,6 +127,7 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     E_ACCESS_DENIED: AccessDenied,
     E_OUT_OF_RANGE: AccessDenied,
     E_BUSY: Busy,
+    E_NO_INSTANCE: NoInstance,
 }
 
 

@@ -267,9 +267,11 @@ class FleetIndex:
 
     # ---- matching --------------------------------------------------------------------
 
-    def match(self, keys: Sequence[bytes]) -> dict[str, int]:
+    def match(self, keys: Sequence[bytes], prefix: dict[str, int] | None = None) -> dict[str, int]:
         """Window-safe local match (blocks) of ``keys`` for every instance holding
-        at least its first block; instances absent from the result match 0."""
+        at least its first block; instances absent from the result match 0.
+        ``prefix``, if given, receives the full-attention prefix of each, windows
+        ignored (what a window-unaware router would see)."""
         self.counters["matches"] += 1
         if not keys or self.full_group < 0:
             return {}
@@ -305,6 +307,8 @@ class FleetIndex:
             inst = self.by_slot[slot]
             if inst is None:
                 continue
+            if prefix is not None:
+                prefix[inst.name] = end
             if windowed:
                 bit = 1 << slot
 
@@ -334,11 +338,12 @@ class RouteView:
     every instance computed in one pass (:meth:`FleetIndex.match`), the pool's match
     looked up beforehand (the meta's hot-path ``Lookup``)."""
 
-    __slots__ = ("index", "matches", "pool")
+    __slots__ = ("index", "matches", "pool", "prefixes")
 
     def __init__(self, index: FleetIndex, keys: Sequence[bytes], pool_blocks: int = 0) -> None:
         self.index = index
-        self.matches = index.match(keys)
+        self.prefixes: dict[str, int] = {}
+        self.matches = index.match(keys, self.prefixes)
         self.pool = pool_blocks
 
     def live(self, now: float) -> list[str]:
@@ -353,3 +358,7 @@ class RouteView:
 
     def pool_match(self, keys: Sequence[bytes]) -> int:
         return self.pool
+
+    def prefix_match(self, instance: str, keys: Sequence[bytes]) -> int:
+        """Full-attention prefix held, windows ignored (for window-unaware baselines)."""
+        return self.prefixes.get(instance, 0)

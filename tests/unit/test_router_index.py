@@ -158,3 +158,14 @@ def test_many_instances_one_pass() -> None:
         idx.store(inst, hashes(ks[n - 2 : n]), ks[n - 2 : n], SWA)
     got = idx.match(ks)
     assert got == {f"i{i}": 2 * i + 2 for i in range(32)}
+
+
+def test_prefix_ignores_windows_for_window_unaware_policies() -> None:
+    idx = FleetIndex(MIMO)
+    ks = keys(8)
+    a = idx.register("a", 0.0)
+    idx.store(a, hashes(ks), ks, FULL)
+    idx.store(a, hashes(ks[2:4]), ks[2:4], SWA)
+    view = RouteView(idx, ks)
+    assert view.local_match("a", ks) == 4
+    assert view.prefix_match("a", ks) == 8
