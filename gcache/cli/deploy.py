@@ -67,6 +67,7 @@ class LocalDeployment:
         self.tls_ca = tls_ca  # CA of the meta's gRPC TLS certificate (stats, clients)
         self.meta: Proc | None = None
         self.servers: list[Proc] = []
+        self.extra: list[Proc] = []  # engines and a router (gcache/cli/fleet.py)
         self._logs: list[IO[bytes]] = []
 
     # ---- start/stop ----------------------------------------------------------------
@@ -207,9 +208,10 @@ class LocalDeployment:
         proc.popen.wait(10)
 
     def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
-        """SIGTERM everything (servers first), then SIGKILL what is left."""
+        """SIGTERM everything (engines and router, then servers, then the meta), then
+        SIGKILL what is left."""
         codes: dict[str, int | None] = {}
-        procs = [*self.servers, *([self.meta] if self.meta else [])]
+        procs = [*self.extra, *self.servers, *([self.meta] if self.meta else [])]
         for p in procs:
             if p.alive:
                 p.popen.send_signal(signal.SIGTERM)

@@ -94,6 +94,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"  metrics         {d.metrics_url}")
         for s in d.servers:
             print(f"  {s.name:<15} {s.host}:{s.port}  ({args.capacity} DRAM segment)")
+        if args.router:
+            from gcache.cli.fleet import up_router
+
+            for line in up_router(
+                d, args.instances, args.engines, args.router_port, args.router_http_port
+            ):
+                print(line)
         print(f"  logs            {Path(args.data_dir).resolve()}")
         meta_cfg = load(MetaConfig)  # the daemons read the same environment
         print(
@@ -111,7 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\nserving; Ctrl-C to stop", flush=True)
         serving["now"] = True
         while not stop["signal"]:
-            for p in [d.meta, *d.servers]:
+            for p in [d.meta, *d.servers, *d.extra]:
                 if p is not None and not p.alive:
                     print(
                         f"gcache up: {p.name} exited ({p.popen.returncode}); see {p.log_path}",
@@ -312,6 +319,27 @@ def main(argv: list[str] | None = None) -> None:
         choices=["chat", "store", "both"],
         default="both",
         help="chat: a real model reusing prefixes; store: raw KV put/get",
+    )
+    up.add_argument(
+        "--router",
+        action="store_true",
+        help="also start gcache-router in front of --instances and/or --engines",
+    )
+    up.add_argument(
+        "--instances",
+        default="",
+        help="engine instances for the router, comma-separated [ID=]URL[@EVENTS] "
+        "(EVENTS: the instance's KV-event ZMQ endpoint, tcp://host:5557)",
+    )
+    up.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="start this many gcache-engine instances (a tiny model) behind the router",
+    )
+    up.add_argument("--router-port", type=int, default=7900, help="router hot path (0: any free)")
+    up.add_argument(
+        "--router-http-port", type=int, default=7901, help="router HTTP front (0: any free)"
     )
     up.set_defaults(func=cmd_up)
 
