@@ -10,19 +10,41 @@ payload goes into a scratch sink, never into the caller's buffers, which the
 caller has taken back). Only when the reply is already streaming into the
 caller's buffers, or the request frame may be half sent, is the connection
 closed instead. A transport failure fails every pending request.
+
+A daemon at a connection limit answers a new connection with one ``ERROR(E_BUSY)``
+frame with request id 0 and closes it: every pending call then fails with
+:class:`~gcache.errors.Busy` (a :class:`~gcache.errors.RemoteError`, so reads
+become misses), and the refusal is logged once for the connection (at a bounded
+rate across connections).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from gcache import wire
-from gcache.errors import ClosedError, ConnectionLost, GCacheError, ProtocolError, remote_error
+from gcache.errors import (
+    E_BUSY,
+    Busy,
+    ClosedError,
+    ConnectionLost,
+    GCacheError,
+    ProtocolError,
+    remote_error,
+)
+from gcache.transport.limits import RateLimitedLog
 from gcache.transport.stream import Buffer, FrameStream
+
+log = logging.getLogger("gcache_client.conn")
+# Connections a daemon refused at its limits: one line each, at a bounded rate (a
+# client retrying against a full daemon must not flood its engine's log).
+_busy_log = RateLimitedLog(log)
 
 T = TypeVar("T")
 
@@ -43,6 +65,9 @@ async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
 # Abandoned requests whose replies are still due; past this the connection is
 # closed instead (a server that answers nothing in time is likely gone).
 MAX_ABANDONED = 256
+# After a failed send, how long a call waits for the reader to deliver what the
+# peer sent before it went (an E_BUSY refusal) instead of a bare ConnectionLost.
+_SEND_FAILED_GRACE_S = 0.5
 
 
 class _Pending:
@@ -108,7 +133,8 @@ class PipelinedConn:
         try:
             async with asyncio.timeout(timeout):
                 async with self._send_lock:
-                    p = _Pending(next(self._ids) & 0xFFFFFFFF, fut, dest)
+                    # 1 .. 2**32 - 1: request id 0 is the daemon's, for refusals.
+                    p = _Pending(next(self._ids) % 0xFFFFFFFF + 1, fut, dest)
                     self._pending.append(p)
                     await self.stream.send_msg(msg, p.req_id, payload)
                     sent = True
@@ -120,6 +146,14 @@ class PipelinedConn:
             self._abandon(p, sent, "request cancelled")
             raise
         except (ConnectionLost, ClosedError) as exc:
+            if isinstance(exc, ConnectionLost) and not fut.done():
+                # The send failed: the peer is gone, but what it said before going
+                # (a refusal at its connection limits) may still wait in the socket
+                # for the reader, which ends at once and fails ``fut`` with it.
+                await asyncio.wait([fut], timeout=_SEND_FAILED_GRACE_S)
+                said = fut.exception() if fut.done() and not fut.cancelled() else None
+                if isinstance(said, Busy):
+                    raise said from exc
             self.close(exc)
             raise ConnectionLost(f"{self.name}: {exc}") from exc
 
@@ -150,12 +184,16 @@ class PipelinedConn:
                 if frame is None:
                     raise ConnectionLost("peer closed the connection")
                 head, body = frame
+                if head.req_id == 0 and head.msg_type == wire.T_ERROR and body.code == E_BUSY:
+                    # Refused at the daemon's connection limits; it closes the socket.
+                    raise remote_error(body.code, body.message)
                 if not self._pending:
                     raise ProtocolError(f"unsolicited reply (request id {head.req_id})")
-                p = self._pending.popleft()
-                p.answered = True
-                if head.req_id != p.req_id:
+                p = self._pending[0]
+                if head.req_id != p.req_id:  # ``p`` stays queued: _fail fails it too
                     raise ProtocolError(f"reply to request {head.req_id}, expected {p.req_id}")
+                self._pending.popleft()
+                p.answered = True
                 if p.abandoned:
                     self._owed -= 1
                     if head.payload_len:  # into a scratch sink, never the caller's buffers
@@ -180,6 +218,9 @@ class PipelinedConn:
         except asyncio.CancelledError:
             self._fail(ClosedError("connection closed"))
             raise
+        except Busy as exc:
+            _busy_log.log(time.monotonic(), "%s refused the connection: %s", self.name, exc.message)
+            self._fail(exc)
         except GCacheError as exc:
             self._fail(exc)
         except Exception as exc:  # never leave callers waiting on a dead reader
@@ -193,7 +234,10 @@ class PipelinedConn:
         while self._pending:
             fut = self._pending.popleft().fut
             if not fut.done():
-                fut.set_exception(ConnectionLost(f"{self.name}: {exc}"))
+                if isinstance(exc, Busy):
+                    fut.set_exception(Busy(exc.code, f"{self.name}: {exc.message}"))
+                else:
+                    fut.set_exception(ConnectionLost(f"{self.name}: {exc}"))
                 fut.exception()  # mark retrieved: the caller may have timed out
 
     def close(self, reason: BaseException | None = None) -> None:
