@@ -300,25 +300,55 @@ class FleetIndex:
             low = cur & -cur
             ends[low.bit_length() - 1] = n
             cur ^= low
+        by_slot = self.by_slot
         out: dict[str, int] = {}
-        windowed = self._windowed
-        holders = self.holders
+        if prefix is not None:
+            for slot, end in ends.items():
+                inst = by_slot[slot]
+                if inst is not None:
+                    prefix[inst.name] = end
+        if not self._windowed:
+            for slot, end in ends.items():
+                inst = by_slot[slot]
+                if inst is not None:
+                    out[inst.name] = end
+            return out
+        # Window-safe ends, all instances at once: ok[p] = slots holding every
+        # windowed group on the last `tail` blocks before p; each instance's end is
+        # the largest p <= its full prefix with its bit in ok[p].
+        top = max(ends.values())
+        ok = self._window_ok(keys, top)
+        at: dict[int, int] = {}
         for slot, end in ends.items():
-            inst = self.by_slot[slot]
-            if inst is None:
-                continue
-            if prefix is not None:
-                prefix[inst.name] = end
-            if windowed:
-                bit = 1 << slot
-
-                def has(j: int, g: int, bit: int = bit) -> bool:
-                    return bool(holders[g].get(keys[j], 0) & bit)
-
-                end = self.layout.valid_match(end, has)
-            if end:
-                out[inst.name] = end
+            at[end] = at.get(end, 0) | (1 << slot)
+        active = 0
+        for p in range(top, 0, -1):
+            active |= at.get(p, 0)
+            got = ok[p] & active
+            if got:
+                active ^= got
+                while got:
+                    low = got & -got
+                    inst = by_slot[low.bit_length() - 1]
+                    if inst is not None:
+                        out[inst.name] = p
+                    got ^= low
         return out
+
+    def _window_ok(self, keys: Sequence[bytes], top: int) -> list[int]:
+        """``ok[p]`` for p in 0..top: bitmask of slots holding, for every windowed
+        group, the objects of blocks ``[max(0, p - tail), p)``."""
+        ok = [-1] * (top + 1)
+        ok[0] = 0
+        for g, tail in self._windowed:
+            get = self.holders[g].get
+            held = [get(keys[j], 0) for j in range(top)]
+            for p in range(1, top + 1):
+                m = ok[p]
+                for j in range(max(0, p - tail), p):
+                    m &= held[j]
+                ok[p] = m
+        return ok
 
     def blocks_of(self, name: str) -> int:
         inst = self.instances.get(name)

@@ -169,3 +169,28 @@ def test_prefix_ignores_windows_for_window_unaware_policies() -> None:
     view = RouteView(idx, ks)
     assert view.local_match("a", ks) == 4
     assert view.prefix_match("a", ks) == 8
+
+
+def test_fleet_match_equals_the_layout_rule_per_instance() -> None:
+    """Random holdings of 8 instances: the one-pass fleet match equals
+    Layout.valid_match run per instance on its own holdings (the reference)."""
+    rng = random.Random(3)
+    for layout in (MIMO, Layout(preset("mimo-v2-flash", 16))):
+        for trial in range(40):
+            idx = FleetIndex(layout)
+            ks = keys(24, seed=trial)
+            held: dict[str, tuple[int, set[int]]] = {}
+            for i in range(8):
+                inst = idx.register(f"i{i}", 0.0)
+                full = rng.randrange(0, 25)
+                wins = {j for j in range(full) if rng.random() < 0.4}
+                idx.store(inst, hashes(ks[:full]), ks[:full], FULL)
+                w = sorted(wins)
+                idx.store(inst, hashes([ks[j] for j in w]), [ks[j] for j in w], SWA)
+                held[inst.name] = (full, wins)
+            want = {}
+            for name, (full, wins) in held.items():
+                end = layout.valid_match(full, lambda j, g, wins=wins: j in wins)
+                if end:
+                    want[name] = end
+            assert idx.match(ks) == want
