@@ -171,3 +171,23 @@ def test_client_match_reports_hits_to_the_router(fleet: Fleet) -> None:
             time.sleep(0.02)
         assert gc.stats()["router_hits_reported"] == 1
     assert reported() - before == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"prompt": [1.5]}, "prompt must be"),
+        ({"prompt": [5000]}, "token ids must be in"),
+        ({"prompt": "hi", "max_tokens": 10**6}, "over this engine's"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown message role"),
+    ],
+)
+def test_engine_refuses_bad_requests_with_one_line(
+    fleet: Fleet, body: dict[str, Any], reason: str
+) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post(str(fleet.engines["engine0"].extra["url"]) + path, body)
+    assert err.value.code == 400
+    message = json.loads(err.value.read())["error"]["message"]
+    assert reason in message and "\n" not in message
