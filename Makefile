@@ -28,6 +28,7 @@ test: $(STAMP) lint typecheck
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gcache client tests bench proto
+	PYTHONPATH=client $(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -5,7 +5,7 @@
   (``cluster_token_file``) or the environment (``GCACHE_CLUSTER_TOKEN``), never from a
   command-line flag (flags show in ``ps``).
 * **Tenant tokens** (clients): a TOML or JSON file (``tenants_file``) mapping each
-  access token to a :class:`~gcache.meta.session.Principal`: the ``cache_salt``
+  access token to a :class:`~gcache.principal.Principal`: the ``cache_salt``
   prefixes it may read and write, a byte quota, admin or not. Only the sha256 of each
   token is kept in memory; a token is looked up by its hash and the hash compared in
   constant time.
@@ -30,7 +30,7 @@ import grpc
 
 from gcache.config import parse_size
 from gcache.errors import ConfigError
-from gcache.meta.session import Principal
+from gcache.principal import Principal
 
 CLUSTER_TOKEN_ENV = "GCACHE_CLUSTER_TOKEN"
 # Metadata key of the token on every gRPC call (lowercase: gRPC requires it).

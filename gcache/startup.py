@@ -42,6 +42,21 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_CONFIG, f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
 
 
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def install_uvloop() -> None:
+    import asyncio
+
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def one_line(text: object) -> str:
     """``text`` on one line (newlines folded), so a log or stderr line stays whole."""
     return " ".join(str(text).split())

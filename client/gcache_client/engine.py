@@ -32,8 +32,8 @@ import torch
 from transformers import DynamicCache
 
 from gcache import keys as keymod
+from gcache import textcodec
 from gcache.errors import GCacheError
-from gcache_client import textcodec
 from gcache_client.hf import (
     GCachePrefixCache,
     PrefixLoadFailed,

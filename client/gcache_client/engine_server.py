@@ -36,10 +36,10 @@ from aiohttp import web
 
 from gcache import config as cfgmod
 from gcache import layout as laymod
+from gcache import textcodec
 from gcache.config import ClientConfig, EngineConfig, parse_size
 from gcache.errors import GCacheError
 from gcache.startup import OneLineParser, listen_tcp, run_main
-from gcache_client import textcodec
 from gcache_client.router import AsyncRouterClient
 
 log = logging.getLogger("gcache.engine")

@@ -20,8 +20,14 @@ from gcache.meta.control import ControlService
 from gcache.meta.core import MetaCore
 from gcache.meta.hotpath import HotPathServer
 from gcache.meta.metrics import MetricsServer
-from gcache.server.daemon import install_uvloop, setup_logging
-from gcache.startup import OneLineParser, listen_tcp, probe_port, run_main
+from gcache.startup import (
+    OneLineParser,
+    install_uvloop,
+    listen_tcp,
+    probe_port,
+    run_main,
+    setup_logging,
+)
 
 log = logging.getLogger("gcache.meta")
 TICK_S = 0.1

@@ -12,25 +12,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from gcache.principal import ANONYMOUS, Principal
+
+__all__ = ["ANONYMOUS", "LOCAL", "Principal", "Session"]
+
 _SESSION_IDS = itertools.count(1)
 
 
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """A tenant. ``namespaces``: prefixes of the ``cache_salt`` of namespaces it may
-    read and write (``("",)``: all). ``quota_bytes``: bytes it may hold, committed
-    plus reserved by its pending puts (0: no quota)."""
-
-    name: str
-    namespaces: tuple[str, ...] = ("",)
-    quota_bytes: int = 0
-    admin: bool = False
-
-    def may_use(self, cache_salt: str) -> bool:
-        return any(cache_salt.startswith(p) for p in self.namespaces)
-
-
-ANONYMOUS = Principal("anonymous", ("",), 0, admin=True)
 
 
 @dataclass(slots=True, eq=False)

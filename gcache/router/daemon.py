@@ -22,8 +22,14 @@ from gcache.errors import BindError
 from gcache.router.hotpath import PoolMatcher, RouterHotPath
 from gcache.router.ingest import EventSubscriber
 from gcache.router.service import RouterCore
-from gcache.server.daemon import install_uvloop, setup_logging
-from gcache.startup import OneLineParser, bind_error, listen_tcp, run_main
+from gcache.startup import (
+    OneLineParser,
+    bind_error,
+    install_uvloop,
+    listen_tcp,
+    run_main,
+    setup_logging,
+)
 
 log = logging.getLogger("gcache.router")
 TICK_S = 1.0

@@ -150,7 +150,7 @@ class HttpFront:
     # ---- prompts ----------------------------------------------------------------
 
     def _tokens(self, body: dict[str, Any], chat: bool) -> list[int]:
-        from gcache_client import textcodec
+        from gcache import textcodec
 
         if chat:
             if self.core.cfg.tokenizer != "bytes":
@@ -193,7 +193,7 @@ class HttpFront:
         )
 
     async def route_only(self, request: web.Request) -> web.Response:
-        from gcache_client.textcodec import PromptError
+        from gcache.textcodec import PromptError
 
         body = await self._read(request)
         chat = "messages" in body
@@ -221,7 +221,7 @@ class HttpFront:
         return await self._proxy(request, "/v1/chat/completions", chat=True)
 
     async def _proxy(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        from gcache_client.textcodec import PromptError
+        from gcache.textcodec import PromptError
 
         if self.proxying >= self.max_proxied:
             self.m_proxy.labels("503").inc()

@@ -26,7 +26,7 @@ from gcache.auth import aio_channel, load_cluster_token
 from gcache.config import ServerConfig
 from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal, SendTimeout
 from gcache.server.core import DataPlaneCore
-from gcache.startup import OneLineParser, listen_tcp, run_main
+from gcache.startup import OneLineParser, install_uvloop, listen_tcp, run_main, setup_logging
 from gcache.storage.segment import Segment
 from gcache.transport.limits import (
     Conn,
@@ -364,19 +364,6 @@ class StorageServer:
                 t.cancel()
             await asyncio.gather(*tasks, *self.connections, return_exceptions=True)
             self.segment.close()
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
-def install_uvloop() -> None:
-    import uvloop
-
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 def main(argv: list[str] | None = None) -> None:

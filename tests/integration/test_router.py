@@ -310,7 +310,7 @@ def _engine(name: str, seen: list[tuple[str, bytes]]) -> _Engine:
 def test_http_proxy_streams_from_the_chosen_instance(router: Router) -> None:
     """The chat prompt rendered as gcache-engine renders it is held by e2: the
     request is forwarded there unchanged and its SSE stream comes back whole."""
-    from gcache_client import textcodec
+    from gcache import textcodec
 
     seen: dict[str, list[tuple[str, bytes]]] = {"e1": [], "e2": []}
     engines = {n: _engine(n, seen[n]) for n in seen}

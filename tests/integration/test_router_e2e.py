@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("zmq")
 
 from gcache import keys as keymod
-from gcache import wire
+from gcache import textcodec, wire
 from gcache.cli.deploy import LocalDeployment, Proc
 from gcache.cli.fleet import router_addr, up_router
-from gcache_client import GCacheClient, textcodec
+from gcache_client import GCacheClient
 from gcache_client.router import RouterClient
 
 

@@ -9,12 +9,12 @@ import random
 import msgspec
 import pytest
 
+from gcache import textcodec
 from gcache.errors import ConfigError
 from gcache.keys import block_keys
 from gcache.layout import LayerSpec, Layout, LayoutSpec
 from gcache.router.events import EventIngestor, decode_batch
 from gcache.router.index import FleetIndex
-from gcache_client import textcodec
 from gcache_client.kv_events import BlockRemoved, BlockStored, KVEventBatch, change_events
 from gcache_client.local_cache import LocalPrefixCache, engine_hash
 
