@@ -246,6 +246,16 @@ def print_status(reply: Any) -> None:
         f"{int(lookups - c.get('hit_blocks', 0))}, evictions {int(c.get('evictions', 0))}, "
         f"active leases {int(c.get('active_leases', 0))}"
     )
+    if "hotpath_connections_open" in c:  # the meta's hot-path connections
+        print(
+            f"hot path: {int(c['hotpath_connections_open'])} connections open "
+            f"({int(c.get('hotpath_peers_connected', 0))} peers), "
+            f"{int(c.get('hotpath_connections_accepted', 0))} accepted, "
+            f"{int(c.get('hotpath_connections_refused', 0))} refused (busy), "
+            f"{int(c.get('hotpath_connections_idle_closed', 0))} closed idle, "
+            f"{int(c.get('hotpath_connections_send_timeouts', 0))} send timeouts, "
+            f"{int(c.get('hotpath_protocol_errors', 0))} protocol errors"
+        )
 
 
 def cmd_status(args: argparse.Namespace) -> int:

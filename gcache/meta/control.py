@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -55,17 +56,22 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         core: MetaCore,
         heartbeat_interval_s: float = 1.0,
         auth: Authenticator | None = None,
+        hotpath: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self.core = core
         self.heartbeat_interval_s = heartbeat_interval_s
         self.auth = auth or Authenticator()
+        self.hotpath = hotpath  # HotPathServer.stats: its connection counters
         self.refused_unauthenticated = 0
         self.refused_duplicate_id = 0
 
     def stats(self) -> dict[str, int]:
+        """The control service's counters and the hot path's (``hotpath_*``)."""
+        hot = self.hotpath() if self.hotpath is not None else {}
         return {
             "refused_unauthenticated": self.refused_unauthenticated,
             "refused_duplicate_id": self.refused_duplicate_id,
+            **{f"hotpath_{k}": v for k, v in hot.items()},
         }
 
     async def _require_cluster(self, context: Any, call: str) -> None:

@@ -42,7 +42,8 @@ async def run(cfg: MetaConfig) -> None:
     hot = HotPathServer(core, listener, auth)
 
     grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ControlServicer_to_server(ControlService(core, auth=auth), grpc_server)
+    control = ControlService(core, auth=auth, hotpath=hot.stats)
+    pb_grpc.add_ControlServicer_to_server(control, grpc_server)
     grpc_setting = "meta.grpc_port, --grpc-port"
     try:
         probe_port(cfg.host, cfg.grpc_port, grpc_setting)
