@@ -143,20 +143,22 @@ class ServerCounters(_message.Message):
     def __init__(self, reads: _Optional[int] = ..., writes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., errors: _Optional[int] = ..., connections: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., connections_accepted: _Optional[int] = ..., connections_refused: _Optional[int] = ..., connections_idle_closed: _Optional[int] = ..., connections_send_timeouts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., bad_frames_suppressed: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "incarnation", "counters", "demoted", "nvme_used", "epoch")
+    __slots__ = ("server_id", "incarnation", "counters", "demoted", "nvme_used", "epoch", "nvme_lost")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     DEMOTED_FIELD_NUMBER: _ClassVar[int]
     NVME_USED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NVME_LOST_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     incarnation: int
     counters: ServerCounters
     demoted: _containers.RepeatedCompositeFieldContainer[Demoted]
     nvme_used: int
     epoch: int
-    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., demoted: _Optional[_Iterable[_Union[Demoted, _Mapping]]] = ..., nvme_used: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    nvme_lost: _containers.RepeatedCompositeFieldContainer[Range]
+    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., demoted: _Optional[_Iterable[_Union[Demoted, _Mapping]]] = ..., nvme_used: _Optional[int] = ..., epoch: _Optional[int] = ..., nvme_lost: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
 
 class Range(_message.Message):
     __slots__ = ("offset", "length")

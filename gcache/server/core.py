@@ -19,6 +19,8 @@ from typing import Final
 
 from gcache import capability, wire
 from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_NO_SPACE, E_OUT_OF_RANGE, Refusal
+from gcache.server.tiered import MAX_NVME_READ, TieredReadReply
+from gcache.storage.nvme import NvmeTier
 from gcache.storage.segment import Segment
 
 MAX_READ_RANGES: Final = 1 << 16
@@ -77,8 +79,11 @@ class DataPlaneCore:
         "bytes_read",
         "bytes_sealed",
         "bytes_written",
+        "epoch",
         "freed_bytes",
         "max_used",
+        "nvme",
+        "old_epoch",
         "reads",
         "refused",
         "replays",
@@ -89,9 +94,18 @@ class DataPlaneCore:
     )
 
     def __init__(
-        self, segment: Segment, secret: bytes, max_used_grants: int = MAX_USED_GRANTS
+        self,
+        segment: Segment,
+        secret: bytes,
+        max_used_grants: int = MAX_USED_GRANTS,
+        nvme: NvmeTier | None = None,
     ) -> None:
         self.segment = segment
+        # Issue 10: the NVMe tier (tier-1 read grants), and the epoch of the meta this
+        # server is registered with: grants minted by an older meta are refused.
+        self.nvme = nvme
+        self.epoch = 0
+        self.old_epoch = 0  # grants refused for their epoch
         self.secret = secret
         self.max_used = max_used_grants
         # Consumed write grants: tag -> expiry (ms), with a min-heap of expiries to
@@ -101,12 +115,21 @@ class DataPlaneCore:
         self.seals = self.bytes_sealed = self.replays = 0
         # Tags already checked: a lease's grants are presented once per layer, so
         # only the first READ of a lease pays for the MACs.
-        self._verified: dict[bytes, tuple[bytes, int, int, int]] = {}
+        self._verified: dict[bytes, tuple[bytes, int, int, int, int, int]] = {}
         self.reads = self.writes = self.bytes_read = self.bytes_written = 0
         self.refused = self.freed_bytes = 0
 
     def _check_grant(self, kind: bytes, grant: wire.Grant, now_ms: int) -> None:
-        if not self.segment.in_bounds(grant.offset, grant.length):
+        if grant.tier:
+            nvme = self.nvme
+            if grant.tier != 1 or kind != capability.KIND_READ or nvme is None:
+                raise Refusal(E_BAD_REQUEST, f"no tier {grant.tier} to {kind.decode()} here")
+            if not nvme.covers(grant.offset, grant.length):
+                raise Refusal(
+                    E_OUT_OF_RANGE,
+                    f"no object at [{grant.offset}, +{grant.length}) on the NVMe tier",
+                )
+        elif not self.segment.in_bounds(grant.offset, grant.length):
             raise Refusal(
                 E_OUT_OF_RANGE,
                 f"range [{grant.offset}, +{grant.length}) lies outside the "
@@ -114,18 +137,33 @@ class DataPlaneCore:
             )
         if grant.expiry_ms <= now_ms:
             raise Refusal(E_ACCESS_DENIED, "grant expired")
+        if grant.epoch < self.epoch:
+            self.old_epoch += 1
+            raise Refusal(
+                E_ACCESS_DENIED,
+                f"grant of meta epoch {grant.epoch}, older than this server's meta "
+                f"(epoch {self.epoch})",
+            )
         seen = self._verified.get(grant.tag)
-        if seen == (kind, grant.offset, grant.length, grant.expiry_ms):
+        g = (kind, grant.offset, grant.length, grant.expiry_ms, grant.tier, grant.epoch)
+        if seen == g:
             return
         if not capability.check(
-            self.secret, kind, grant.offset, grant.length, grant.expiry_ms, grant.tag
+            self.secret,
+            kind,
+            grant.offset,
+            grant.length,
+            grant.expiry_ms,
+            grant.tag,
+            grant.tier,
+            grant.epoch,
         ):
             raise Refusal(E_ACCESS_DENIED, "range not covered by a valid grant")
         if kind != capability.KIND_READ:
             return  # write grants are one-shot: nothing to gain from caching them
         if len(self._verified) >= _VERIFIED_MAX:
             self._verified.clear()
-        self._verified[grant.tag] = (kind, grant.offset, grant.length, grant.expiry_ms)
+        self._verified[grant.tag] = g
 
     def _prune(self, now_ms: int) -> None:
         heap, used = self._expiries, self._used
@@ -203,7 +241,7 @@ class DataPlaneCore:
         self.bytes_sealed += nbytes
         return [self.receipt(g) for g in grants]
 
-    def read_views(self, msg: wire.Read, now_ms: int) -> ReadReply:
+    def read_views(self, msg: wire.Read, now_ms: int) -> ReadReply | TieredReadReply:
         """Check a READ whole (grants, every range, the reply size) and return its
         reply, whose views are made only as it is sent (:class:`ReadReply`).
 
@@ -240,11 +278,23 @@ class DataPlaneCore:
                     f"READ asks for {total} bytes, more than the {_granted(grants)} bytes "
                     "its distinct grants cover",
                 )
+            tiers = None
+            if self.nvme is not None and any(g.tier for g in grants):
+                # Issue 10: NVMe ranges are read from the tier's files into the reply.
+                tiers = bytearray(grants[gi].tier for gi, _, _ in ranges)
+                disk = sum(n for n, t in zip(lengths, tiers, strict=True) if t)
+                if disk > MAX_NVME_READ:
+                    raise Refusal(
+                        E_BAD_REQUEST,
+                        f"READ asks for {disk} NVMe bytes, more than {MAX_NVME_READ} at once",
+                    )
         except Refusal:
             self.refused += 1
             raise
         self.reads += 1
         self.bytes_read += total
+        if tiers is not None and self.nvme is not None:
+            return TieredReadReply(self.segment.view, self.nvme, offsets, lengths, tiers, total)
         return ReadReply(self.segment.view, offsets, lengths, total)
 
     def free(self, offset: int, length: int) -> None:

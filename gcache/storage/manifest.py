@@ -38,6 +38,7 @@ MAX_FRAME: Final = 1 << 20
 COMPACT_SLACK: Final = 1 << 20
 KIND_ADD: Final = 1
 KIND_FREE: Final = 2
+KIND_OWNER: Final = 3  # first frame of every log: whose segment this is
 
 
 class StoredRecord(msgspec.Struct, array_like=True):
@@ -62,6 +63,7 @@ class _Entry(msgspec.Struct, array_like=True):
     rec: StoredRecord | None = None
     offset: int = 0
     length: int = 0
+    owner: str = ""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -96,6 +98,19 @@ def _size(rec: StoredRecord) -> int:
     return _FRAME.size + len(_encode(_Entry(KIND_ADD, rec)))
 
 
+def read_owner(path: str) -> str | None:
+    """The owner named by the log at ``path`` (None: no log, or a damaged one)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return None
+    entries, _, _ = replay(head)
+    if entries and entries[0].kind == KIND_OWNER:
+        return entries[0].owner
+    return None
+
+
 def digest(view: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
@@ -112,14 +127,16 @@ class Manifest:
         "_log_bytes",
         "bad_frames",
         "dropped",
+        "owner",
         "path",
         "records",
         "seq",
         "writes",
     )
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, owner: str = "") -> None:
         self.path = path
+        self.owner = owner  # "server_id@meta": a log of another owner is not replayed
         self.records: dict[int, StoredRecord] = {}
         self.seq = 0
         self.bad_frames = 0  # torn or damaged frames met at start
@@ -143,6 +160,8 @@ class Manifest:
             raise GCacheError(f"cannot read the manifest {self.path}: {exc.strerror}") from exc
         entries, _good, bad = replay(data)
         self.bad_frames += bad
+        if not entries or entries[0].kind != KIND_OWNER or entries[0].owner != self.owner:
+            entries = []  # another server's (or a damaged) log: nothing to re-adopt
         for e in entries:
             if e.kind == KIND_ADD and e.rec is not None:
                 self.records.pop(e.rec.offset, None)
@@ -230,7 +249,9 @@ class Manifest:
         """Write the live records to a new log and rename it over the old one
         (atomic: a crash leaves either log whole)."""
         tmp = self.path + ".tmp"
-        body = b"".join(frame(_Entry(KIND_ADD, r)) for r in self.records.values())
+        body = frame(_Entry(KIND_OWNER, owner=self.owner)) + b"".join(
+            frame(_Entry(KIND_ADD, r)) for r in self.records.values()
+        )
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:

@@ -8,18 +8,33 @@ segment that does not fit fails start-up with one line instead. It is optionally
 pre-faulted (``MAP_POPULATE``) so the first writes do not pay page faults. Which
 ranges hold objects is the meta's business (it runs the allocator); the segment only
 bounds-checks and hands out views.
+
+The file outlives its process (issue 10): a server stopped or killed leaves it in
+the tmpfs with its manifest (:mod:`gcache.storage.manifest`), and the next start of
+the same server id (for the same meta) re-adopts it (:meth:`Segment.adoptable`):
+the file is renamed to the new process's name and mapped again, and the manifest's
+records with their digests decide what is kept. Files no start will re-adopt (no
+manifest, or another owner's left for over :data:`FOREIGN_STALE_S`) are removed.
+A live server holds an exclusive ``flock`` on its file, so no two processes share
+one.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
+import time
+from collections.abc import Callable
 
 from gcache.errors import GCacheError
 
 PAGE = mmap.PAGESIZE
+# A dead process's segment file that names another owner (same server id, another
+# meta) is left for its own server to re-adopt for this long, then removed.
+FOREIGN_STALE_S = 3600.0
 
 
 def _safe(server_id: str) -> str:
@@ -64,24 +79,53 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def manifest_path(segment_path: str) -> str:
+    """The manifest next to a segment file (``...-PID.seg`` -> ``...-PID.manifest``)."""
+    return segment_path[: -len(".seg")] + ".manifest"
+
+
 class Segment:
-    __slots__ = ("_fd", "_mm", "capacity", "path", "view")
+    __slots__ = ("_fd", "_mm", "capacity", "path", "reused", "view")
 
     def __init__(
-        self, path: str, capacity: int, populate: bool = False, reserve: bool = True
+        self,
+        path: str,
+        capacity: int,
+        populate: bool = False,
+        reserve: bool = True,
+        reuse: bool = False,
     ) -> None:
         """``reserve=False`` leaves the file sparse: only for segments nothing writes
-        (index-only benchmarks); a write into it on a full tmpfs faults (SIGBUS)."""
+        (index-only benchmarks); a write into it on a full tmpfs faults (SIGBUS).
+        ``reuse``: map the file already at ``path`` (re-adopted) when it has the
+        same size; ``reused`` says whether that happened."""
         self.path = path
         self.capacity = capacity
+        self.reused = False
+        if reuse:
+            try:
+                if os.stat(path).st_size == capacity:
+                    self.reused = True
+                else:
+                    os.unlink(path)  # another capacity: start empty
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise GCacheError(f"cannot re-adopt segment file {path}: {exc}") from exc
         where = os.path.dirname(path) or "."
         free = _free_bytes(where)
-        if (reserve or populate) and free is not None and capacity > free:
+        if not self.reused and (reserve or populate) and free is not None and capacity > free:
             raise GCacheError(_no_room(capacity, where, free))
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            flags = os.O_RDWR if self.reused else os.O_RDWR | os.O_CREAT | os.O_EXCL
+            self._fd = os.open(path, flags, 0o600)
         except OSError as exc:
             raise GCacheError(f"cannot create segment file {path}: {exc}") from exc
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._fd)
+            raise GCacheError(f"segment file {path} is in use by another process") from exc
         try:
             os.ftruncate(self._fd, capacity)
             if reserve:
@@ -101,32 +145,75 @@ class Segment:
         return f"gcache-{_safe(server_id)}-{os.getpid()}.seg"
 
     @staticmethod
-    def remove_stale(shm_dir: str, server_id: str) -> list[str]:
-        """Unlink segment files this server id left behind when its process died
-        without cleaning up (SIGKILL, OOM). Files of live processes are kept."""
-        removed: list[str] = []
+    def _dead_files(shm_dir: str, server_id: str) -> list[str]:
+        """Segment files of this server id whose process is gone, newest first."""
         prefix = f"gcache-{_safe(server_id)}-"
         try:
             names = os.listdir(shm_dir)
         except OSError:
-            return removed
+            return []
+        out: list[tuple[float, str]] = []
         for name in names:
             if not (name.startswith(prefix) and name.endswith(".seg")):
                 continue
             pid = name[len(prefix) : -len(".seg")]
             if not pid.isdigit() or _pid_alive(int(pid)):
                 continue
+            path = os.path.join(shm_dir, name)
             try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
+                out.append((os.stat(path).st_mtime, path))
             except OSError:
-                pass
+                continue
+        return [p for _, p in sorted(out, reverse=True)]
+
+    @staticmethod
+    def adoptable(
+        shm_dir: str, server_id: str, owner: str, owner_of: Callable[[str], str | None]
+    ) -> str | None:
+        """The segment file a dead process of this server id left for ``owner``
+        (``server_id@meta``, read from its manifest by ``owner_of``), newest first."""
+        for path in Segment._dead_files(shm_dir, server_id):
+            if owner_of(manifest_path(path)) == owner:
+                return path
+        return None
+
+    @staticmethod
+    def remove_stale(
+        shm_dir: str,
+        server_id: str,
+        owner: str = "",
+        owner_of: Callable[[str], str | None] | None = None,
+        now: float | None = None,
+    ) -> list[str]:
+        """Unlink segment files (and manifests) this server id left behind when its
+        process died (SIGKILL, OOM) that no start will re-adopt: ours (``owner``:
+        the caller adopted the one it wanted first), those without a manifest, and
+        other owners' older than :data:`FOREIGN_STALE_S`. Files of live processes
+        are kept."""
+        removed: list[str] = []
+        now = time.time() if now is None else now
+        for path in Segment._dead_files(shm_dir, server_id):
+            who = owner_of(manifest_path(path)) if owner_of is not None else None
+            if who is not None and who != owner:
+                try:
+                    if now - os.stat(path).st_mtime < FOREIGN_STALE_S:
+                        continue
+                except OSError:
+                    continue
+            for p in (path, manifest_path(path)):
+                try:
+                    os.unlink(p)
+                    if p == path:
+                        removed.append(os.path.basename(path))
+                except OSError:
+                    pass
         return removed
 
     def in_bounds(self, offset: int, length: int) -> bool:
         return offset >= 0 and length >= 0 and offset + length <= self.capacity
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Unmap; ``keep`` leaves the file for the next start to re-adopt."""
         try:
             self.view.release()
             self._mm.close()
@@ -136,7 +223,10 @@ class Segment:
             os.close(self._fd)
         except OSError:
             pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if keep:
+            return
+        for p in (self.path, manifest_path(self.path)):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
