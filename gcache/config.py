@@ -286,6 +286,18 @@ class ServerConfig:
     max_connections_per_peer: int = _doc(
         "data-plane connections open at once from one address", default=1024
     )
+    # -- issue 10: NVMe tier and restarts (gcache/storage/nvme.py, manifest.py; N1) --
+    nvme_path: str = _doc("directory of the NVMe tier's files", default="")
+    nvme_size: str = _doc("size of the NVMe tier (e.g. 64GiB); 0 = no NVMe tier", default="0")
+    nvme_direct: bool = _doc(
+        "write the NVMe tier with O_DIRECT (buffered where the file system refuses it)",
+        default=True,
+    )
+    reuse_segment: bool = _doc(
+        "re-adopt the segment file a previous run of this server id left (its manifest "
+        "and checksums decide what is kept); off: DRAM starts empty",
+        default=True,
+    )
 
     @property
     def max_body_bytes(self) -> int:
@@ -294,6 +306,10 @@ class ServerConfig:
     @property
     def capacity_bytes(self) -> int:
         return parse_size(self.capacity)
+
+    @property
+    def nvme_size_bytes(self) -> int:
+        return parse_size(self.nvme_size)
 
     def check(self) -> None:
         _check_fields(self)
@@ -305,6 +321,16 @@ class ServerConfig:
         if capacity < 1 << 20:
             raise ConfigError(f"server.capacity must be at least 1MiB, got {self.capacity!r}")
         _check_hostport("server.meta", self.meta)
+        try:
+            nvme = self.nvme_size_bytes
+        except ConfigError as exc:
+            raise ConfigError(f"server.nvme_size: {exc}") from exc
+        if nvme and nvme < 2 << 20:
+            raise ConfigError(
+                f"server.nvme_size must be 0 or at least 2MiB, got {self.nvme_size!r}"
+            )
+        if nvme and not self.nvme_path:
+            raise ConfigError("server.nvme_size needs server.nvme_path (--nvme-path DIR)")
 
 
 @dataclass(frozen=True)
@@ -342,18 +368,6 @@ class ClientConfig:
         if self.router:
             _check_hostport("client.router", self.router)
             if not self.instance_id:
-    # -- issue 10: NVMe tier and restarts (gcache/storage/nvme.py, manifest.py; N1) --
-    nvme_path: str = _doc("directory of the NVMe tier's files", default="")
-    nvme_size: str = _doc("size of the NVMe tier (e.g. 64GiB); 0 = no NVMe tier", default="0")
-    nvme_direct: bool = _doc(
-        "write the NVMe tier with O_DIRECT (buffered where the file system refuses it)",
-        default=True,
-    )
-    reuse_segment: bool = _doc(
-        "re-adopt the segment file a previous run of this server id left (its manifest "
-        "and checksums decide what is kept); off: DRAM starts empty",
-        default=True,
-    )
                 raise ConfigError("client.router is set: set client.instance_id too")
         for name in ("layers_in_flight", "max_inflight_writes"):
             if getattr(self, name) < 1:
@@ -363,10 +377,6 @@ class ClientConfig:
         _check_hostport("client.meta", self.meta)
         _check_hostport("client.meta_grpc", self.meta_grpc)
         if self.token and self.token_file:
-    @property
-    def nvme_size_bytes(self) -> int:
-        return parse_size(self.nvme_size)
-
             raise ConfigError("set either token or token_file, not both")
 
 
@@ -377,16 +387,6 @@ class RouterConfig:
     host: str = _doc("address the router listens on (hot path and HTTP)", default="127.0.0.1")
     port: int = _doc("framed hot-path port (Route, ReportHits, ReportLoad)", default=7900)
     http_port: int = _doc(
-        try:
-            nvme = self.nvme_size_bytes
-        except ConfigError as exc:
-            raise ConfigError(f"server.nvme_size: {exc}") from exc
-        if nvme and nvme < 2 << 20:
-            raise ConfigError(
-                f"server.nvme_size must be 0 or at least 2MiB, got {self.nvme_size!r}"
-            )
-        if nvme and not self.nvme_path:
-            raise ConfigError("server.nvme_size needs server.nvme_path (--nvme-path DIR)")
         "HTTP port: OpenAI proxy, /route, /healthz, /metrics; -1 disables", default=7901
     )
     instances: str = _doc(
