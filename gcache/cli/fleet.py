@@ -166,6 +166,28 @@ def start_router(
     return proc
 
 
+def wait_live(router: Proc, names: list[str], timeout: float = 30.0) -> None:
+    """Until the router counts every one of ``names`` live (a listed instance is
+    not routed to before it answers a health probe or reports load)."""
+    url = str(router.extra["url"]) + "/healthz"
+    deadline = time.monotonic() + timeout
+    live: list[str] = []
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                live = list(json.loads(r.read())["live"])
+        except urllib.error.HTTPError as e:  # 503 while none is live
+            live = list(json.loads(e.read()).get("live", []))
+        except (OSError, ValueError, KeyError):
+            live = []
+        if all(n in live for n in names):
+            return
+        if time.monotonic() > deadline:
+            missing = ", ".join(n for n in names if n not in live)
+            raise GCacheError(f"the router never saw {missing} live within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
 def engine_instances(engines: list[Proc]) -> str:
     """``router.instances`` for engines started here: ``ID=URL@EVENTS`` each."""
     return ",".join(f"{p.name}={p.extra['url']}@{p.extra['events']}" for p in engines)
@@ -199,6 +221,7 @@ def up_router(
     listed = ",".join(x for x in (engine_instances(procs), instances.strip()) if x)
     ns = discover_namespace(d, listed)
     router = start_router(d, listed, port=port, http_port=http_port, namespace=ns)
+    wait_live(router, [p.name for p in procs])
     lines = [
         f"  router hot path {router_addr(router)}",
         f"  router HTTP     {router.extra['url']}  (OpenAI /v1/completions, "

@@ -63,6 +63,9 @@ class Instance:
     reported_prompt_tokens: int = 0
     reported_local_tokens: int = 0
     reported_pool_tokens: int = 0
+    # Listed in router.instances: kept while silent (never forgotten), and not live
+    # until it has answered a health probe, reported load or sent KV events.
+    static: bool = False
 
 
 class FleetIndex:
@@ -107,8 +110,11 @@ class FleetIndex:
     def get(self, name: str) -> Instance | None:
         return self.instances.get(name)
 
-    def register(self, name: str, now: float, url: str = "") -> Instance:
-        """The instance ``name`` (created on first sight); marks it seen at ``now``."""
+    def register(
+        self, name: str, now: float, url: str = "", *, seen: bool = True, static: bool = False
+    ) -> Instance:
+        """The instance ``name`` (created on first sight); marks it seen at ``now``
+        unless ``seen`` is False (a listed instance not heard from yet)."""
         inst = self.instances.get(name)
         if inst is None:
             if not name or len(name) > 256:
@@ -125,7 +131,9 @@ class FleetIndex:
             self.by_slot[slot] = inst
         if url:
             inst.url = url
-        inst.last_seen = max(inst.last_seen, now)
+        inst.static = inst.static or static
+        if seen:
+            inst.last_seen = max(inst.last_seen, now)
         return inst
 
     def report_load(self, name: str, load: InstanceLoad, now: float, url: str = "") -> Instance:
@@ -150,8 +158,11 @@ class FleetIndex:
         return [s.name for s in self.by_slot if s is not None and now - s.last_seen <= self.ttl_s]
 
     def forget_expired(self, now: float) -> int:
-        """Drop instances silent for ``forget_s`` (their index and slot)."""
-        gone = [i for i in self.instances.values() if now - i.last_seen > self.forget_s]
+        """Drop instances silent for ``forget_s`` (their index and slot); listed
+        (static) instances stay known."""
+        gone = [
+            i for i in self.instances.values() if not i.static and now - i.last_seen > self.forget_s
+        ]
         for inst in gone:
             self.clear(inst)
             del self.instances[inst.name]

@@ -131,7 +131,7 @@ class RouterCore:
         self.policy = policy if policy is not None else make_router_policy(cfg)
         self.static = parse_instances(cfg.instances)
         for s in self.static:
-            self.index.register(s.name, now, s.url)
+            self.index.register(s.name, now, s.url, seen=False, static=True)
         self.counters: Counter[str] = Counter()
         self.by_reason: Counter[str] = Counter()
         self.routed_to: Counter[str] = Counter()
@@ -160,8 +160,9 @@ class RouterCore:
             self.counters["no_instance"] += 1
             raise Refusal(
                 E_NO_INSTANCE,
-                f"no live engine instance: none of {len(self.index.instances)} known has "
-                f"reported within router.instance_ttl_s ({self.cfg.instance_ttl_s} s)",
+                f"no live engine instance: none of the {len(self.index.instances)} known "
+                f"has answered a health probe, reported load or sent KV events within "
+                f"router.instance_ttl_s ({self.cfg.instance_ttl_s} s)",
             )
         req = RouteRequest(keys=keys, tokens=tokens, request_id=rid)
         d = self.policy.choose(req, view, now)

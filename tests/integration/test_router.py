@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import random
 import subprocess
 import sys
@@ -34,21 +35,36 @@ TTL = 1.5
 
 
 class Router:
-    def __init__(self, tmp: Path, *args: str) -> None:
-        ready = tmp / "router.ready"
-        self.log = tmp / "router.log"
+    """A ``gcache-router`` process; ``instances`` (``router.instances``) may name
+    ``{pub}``, the endpoint of a PUB socket bound here for it to subscribe to."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        *args: str,
+        fp: bytes = FP,
+        layout: str = "mimo-v2-flash",
+        block_size: int = BS,
+        instances: str = "static=http://127.0.0.1:9@{pub}",
+        health_interval_s: float = 0,
+        env: dict[str, str] | None = None,
+        name: str = "router",
+    ) -> None:
+        ready = tmp / f"{name}.ready"
+        self.log = tmp / f"{name}.log"
         self.pub = zmq.Context.instance().socket(zmq.PUB)
         self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        listed = instances.format(pub=f"tcp://127.0.0.1:{self.pub_port}")
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "gcache.router.daemon", "--port", "0", "--http-port", "0",
-                "--events-bind", "tcp://127.0.0.1:*", "--namespace", FP.hex(),
-                "--layout", "mimo-v2-flash", "--block-size", str(BS),
-                "--instance-ttl-s", str(TTL), "--health-interval-s", "0",
-                "--instances", f"static=http://127.0.0.1:9@tcp://127.0.0.1:{self.pub_port}",
-                "--ready-file", str(ready), *args,
+                "--events-bind", "tcp://127.0.0.1:*", "--namespace", fp.hex(),
+                "--layout", layout, "--block-size", str(block_size),
+                "--instance-ttl-s", str(TTL), "--health-interval-s", str(health_interval_s),
+                "--instances", listed, "--ready-file", str(ready), *args,
             ],
             stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )  # fmt: skip
         deadline = time.monotonic() + 20
         while not ready.exists():
@@ -152,16 +168,63 @@ def route(r: Router, keys: list[bytes], tokens: int) -> Any:
     return r.call(wire.Route(keys, tokens))
 
 
-def test_no_live_instance_is_a_clear_error(router: Router) -> None:
+def test_listed_instance_is_not_live_until_heard_from(router: Router) -> None:
+    """The listed instance (http://127.0.0.1:9, nothing listens there) has neither
+    answered a health probe nor reported load: right after start no request is
+    routed to it (it counted as live for instance_ttl_s from start). Clear errors:
+    E_NO_INSTANCE on the hot path, 503 with the one-line reason on HTTP."""
     _, keys = prompt(2, 0)
-    time.sleep(TTL + 0.2)  # the static instance never reported: it expires too
     reply = route(router, keys, 2 * BS)
-    assert isinstance(reply, wire.Error) and reply.code == E_NO_INSTANCE
-    assert "no live engine instance" in reply.message
+    assert isinstance(reply, wire.Error) and reply.code == E_NO_INSTANCE, reply
+    assert "no live engine instance" in reply.message and "\n" not in reply.message
     status, body = router.get("/healthz")
     assert status == 503 and b"no live instance" in body
-    status, _, body = router.post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
-    assert status == 503 and b"no live engine instance" in body
+    for path in ("/v1/completions", "/route"):
+        status, _, body = router.post(path, {"prompt": "hello", "max_tokens": 2})
+        message = json.loads(body)["error"]["message"]
+        assert status == 503 and message.startswith("no live engine instance"), body
+        assert "\n" not in message
+    assert router.metric("gcache_router_instance_live", instance="static") == 0
+    # A load report makes it live.
+    router.load("static", url="http://127.0.0.1:9")
+    reply = route(router, keys, 2 * BS)
+    assert isinstance(reply, wire.Routed) and reply.instance == "static"
+
+
+def _health_endpoint() -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = _Engine(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_listed_instance_becomes_live_by_health_probe(tmp_path: Path) -> None:
+    """Two listed instances, one answering /health, one unreachable: only the one
+    that answered a probe is ever routed to."""
+    up = _health_endpoint()
+    r = Router(
+        tmp_path,
+        instances=f"up=http://127.0.0.1:{up.server_address[1]},down=http://127.0.0.1:9",
+        health_interval_s=0.2,
+    )
+    try:
+        _, keys = prompt(2, 9)
+        r.wait_metric(lambda: r.metric("gcache_router_instance_live", instance="up") == 1)
+        got = {route(r, keys, 2 * BS).instance for _ in range(20)}
+        assert got == {"up"}
+        assert json.loads(r.get("/healthz")[1])["live"] == ["up"]
+        assert r.metric("gcache_router_instance_live", instance="down") == 0
+    finally:
+        up.shutdown()
+        assert r.stop() == 0, r.log.read_text()[-2000:]
 
 
 def test_events_over_zmq_route_to_the_holder_window_safe(router: Router) -> None:
