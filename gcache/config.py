@@ -202,6 +202,49 @@ class MetaConfig:
     max_connections_per_peer: int = _doc(
         "hot-path connections open at once from one address", default=1024
     )
+    # -- issue 10: tiers and restarts (gcache/meta/tiers.py, rebuild.py; N2) --
+    demote: bool = _doc(
+        "above high_watermark, copy DRAM objects worth a disk write to their server's "
+        "NVMe tier instead of dropping them",
+        default=True,
+    )
+    nvme_high_watermark: float = _doc(
+        "start evicting (deleting) NVMe objects above this fraction of a tier", default=0.95
+    )
+    nvme_low_watermark: float = _doc("evict NVMe objects down to this fraction", default=0.85)
+    compute_tflops: float = _doc(
+        "prefill throughput assumed for the recompute side of the demotion rule (TFLOP/s)",
+        default=400.0,
+    )
+    demote_min_gain: float = _doc(
+        "demote an object only if recomputing its block takes at least this many times "
+        "longer than reading it back from NVMe",
+        default=1.0,
+    )
+    max_demotions_in_flight: int = _doc(
+        "demotions sent to a server and not reported done yet; past it, DRAM objects "
+        "leaving DRAM are dropped",
+        default=4096,
+    )
+    adopt_outbox: int = _doc(
+        "commits queued per server for its manifest (sent in the next heartbeat reply); "
+        "past it they are counted and not recorded (lost on a restart, never wrong)",
+        default=1 << 16,
+    )
+    max_parked_objects: int = _doc(
+        "reported objects waiting for their namespace to be registered again or their "
+        "parent block to be reported; past it the oldest are freed",
+        default=1 << 22,
+    )
+    parked_ttl_s: float = _doc("free parked reported objects after this long", default=300.0)
+    promotion: str = _doc(
+        "copy NVMe objects back to DRAM on repeated hits: off (the only policy so far)",
+        default="off",
+    )
+    write_balance_s: float = _doc(
+        "time constant of the recent write load placement balances against free space",
+        default=10.0,
+    )
 
     @property
     def max_body_bytes(self) -> int:
@@ -212,6 +255,19 @@ class MetaConfig:
         _check_connections(self)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key go together")
+        if not 0 < self.nvme_low_watermark < self.nvme_high_watermark <= 1:
+            raise ConfigError(
+                "need 0 < meta.nvme_low_watermark < meta.nvme_high_watermark <= 1, got "
+                f"{self.nvme_low_watermark} and {self.nvme_high_watermark}"
+            )
+        if self.promotion != "off":
+            raise ConfigError(f"meta.promotion must be off, got {self.promotion!r}")
+        for name in ("compute_tflops", "write_balance_s", "parked_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"meta.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_demotions_in_flight", "adopt_outbox", "max_parked_objects"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"meta.{name} must be >= 1, got {getattr(self, name)}")
         if not self.low_watermark < self.high_watermark:
             raise ConfigError(
                 f"meta.low_watermark ({self.low_watermark}) must be below meta.high_watermark "
@@ -362,9 +418,22 @@ class ClientConfig:
         default="",
     )
     instance_id: str = _doc("this engine instance's id at the router", default="")
+    # -- issue 10: load or recompute (client/gcache_client/tiers.py; N2) --
+    load_or_recompute: bool = _doc(
+        "match() stops where fetching the rest of the match (at the servers' measured "
+        "tier bandwidths) would take longer than recomputing it",
+        default=True,
+    )
+    compute_tflops: float = _doc(
+        "the engine's prefill throughput for that rule (TFLOP/s; the model's FLOPs come "
+        "from the compute model of docs/eviction.md)",
+        default=400.0,
+    )
 
     def check(self) -> None:
         _check_fields(self)
+        if not self.compute_tflops > 0:
+            raise ConfigError(f"client.compute_tflops must be > 0, got {self.compute_tflops!r}")
         if self.router:
             _check_hostport("client.router", self.router)
             if not self.instance_id:
@@ -427,6 +496,13 @@ class RouterConfig:
         "longest wait for the meta's pool match; past it a route counts no pool hit",
         default=0.05,
     )
+    token: str = _doc(
+        "access token the router sends (HELLO) on its meta connection for the pool "
+        "match (env GCACHE_ROUTER_TOKEN; never a flag)",
+        default="",
+        repr=False,
+    )
+    token_file: str = _doc("file holding that access token", default="")
     policy: str = _doc(
         "routing policy: gcache, round-robin, least-load, sglang, dynamo", default="gcache"
     )
@@ -475,6 +551,12 @@ class RouterConfig:
     max_connections_per_peer: int = _doc(
         "hot-path connections open at once from one address", default=1024
     )
+    http_max_connections: int = _doc(
+        "HTTP connections open at once; past it one 503 answer and close", default=1024
+    )
+    http_max_connections_per_peer: int = _doc(
+        "HTTP connections open at once from one address", default=256
+    )
 
     @property
     def max_body_bytes(self) -> int:
@@ -483,6 +565,10 @@ class RouterConfig:
     def check(self) -> None:
         _check_fields(self)
         _check_connections(self)
+        if not 1 <= self.http_max_connections_per_peer <= self.http_max_connections:
+            raise ConfigError(
+                "router: need 1 <= http_max_connections_per_peer <= http_max_connections"
+            )
         for name in ("events_max_bytes", "max_http_body"):
             try:
                 if parse_size(getattr(self, name)) < 4096:
@@ -503,6 +589,8 @@ class RouterConfig:
             raise ConfigError(f"router.tokenizer must be bytes or none, got {self.tokenizer!r}")
         if self.meta:
             _check_hostport("router.meta", self.meta)
+        if self.token and self.token_file:
+            raise ConfigError("router: set either token or token_file, not both")
         if not 1 <= self.max_instances <= 1024:
             raise ConfigError(f"router.max_instances must be in 1..1024, got {self.max_instances}")
         for name in ("max_blocks_per_instance", "max_proxied"):

@@ -18,7 +18,9 @@ from gcache.auth import Authenticator, bearer
 from gcache.errors import LayoutError, Refusal
 from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
-from gcache.meta.records import ServerRecord
+from gcache.meta.rebuild import Parked
+from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord
+from gcache.meta.tiers import Demotion
 
 log = logging.getLogger("gcache.meta.control")
 
@@ -47,6 +49,23 @@ def id_conflict(
         f"{old.addr.host}:{old.addr.port} on {old.addr.hostname or '?'} (heard from "
         f"{age:.1f} s ago); give this server another --server-id, or wait "
         f"{hold_s:.0f} s after the old one stopped"
+    )
+
+
+def stored(obj: ObjectRecord, ns: NamespaceRecord) -> Any:
+    """The proto record of an object (what its server persists in its manifest)."""
+    entry = obj.entry
+    parent = entry.parent
+    return pb.StoredObject(
+        namespace=ns.fingerprint,
+        key=entry.key,
+        parent=parent.key if parent is not None else b"",
+        pos=entry.pos,
+        group=obj.group,
+        tier=obj.tier,
+        offset=obj.offset,
+        length=obj.length,
+        sums=obj.sums,
     )
 
 
@@ -100,6 +119,8 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             request.hostname,
             request.shm_path,
             request.incarnation,
+            dram_read_gbps=request.dram_read_gbps,
+            nvme_read_gbps=request.nvme_read_gbps,
         )
         now = time.monotonic()
         conflict = id_conflict(
@@ -113,30 +134,114 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             self.refused_duplicate_id += 1
             log.warning("refused RegisterServer from %s:%d: %s", addr.host, addr.port, conflict)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
-        self.core.register_server(
-            addr, bytes(request.secret), request.incarnation, request.capacity, now
+        # A server of issue 10 (it measures its tiers, has one, or reports what it
+        # holds) checks the epoch in grants; older ones get epoch-0 grants.
+        issue10 = bool(request.dram_read_gbps or request.nvme_capacity or request.objects)
+        srv = self.core.register_server(
+            addr,
+            bytes(request.secret),
+            request.incarnation,
+            request.capacity,
+            now,
+            nvme_capacity=request.nvme_capacity,
+            nvme_read_gbps=request.nvme_read_gbps,
+            nvme_write_gbps=request.nvme_write_gbps,
+            report=request.objects > 0,
+            epoch_grants=issue10,
         )
         log.info(
-            "server %s registered at %s:%d (%d bytes)",
+            "server %s registered at %s:%d (%d bytes DRAM, %d bytes NVMe%s)",
             request.server_id,
             request.host,
             request.port,
             request.capacity,
+            request.nvme_capacity,
+            f", reporting {request.objects} objects" if not srv.ready else "",
         )
         return pb.RegisterServerReply(
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.core.cfg.heartbeat_timeout_s,
+            epoch=self.core.epoch,
         )
+
+    async def ReportObjects(self, request_iterator: Any, context: Any) -> Any:
+        """A server's manifest, in chunks (``last`` on the final one): adopted into
+        the index; the server gets placements only once it is complete."""
+        await self._require_cluster(context, "ReportObjects")
+        adopted = dropped = 0
+        first = True
+        async for chunk in request_iterator:
+            if chunk.epoch != self.core.epoch:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"report for meta epoch {chunk.epoch}, this meta's is {self.core.epoch}: "
+                    "register again",
+                )
+            records = [
+                Parked(
+                    bytes(o.namespace),
+                    bytes(o.key),
+                    bytes(o.parent),
+                    o.pos,
+                    o.group,
+                    o.tier,
+                    o.offset,
+                    o.length,
+                    bytes(o.sums),
+                    o.seq,
+                )
+                for o in chunk.objects
+            ]
+            got = self.core.report_objects(
+                chunk.server_id, chunk.incarnation, records, chunk.last, time.monotonic()
+            )
+            if got is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"server {chunk.server_id!r} incarnation {chunk.incarnation} is not "
+                    "registered: register again",
+                )
+                return None
+            adopted += got[0]
+            dropped += got[1]
+            if first or chunk.last:
+                first = False
+                if chunk.last:
+                    log.info(
+                        "server %s reported what it holds: %d objects adopted, %d dropped",
+                        chunk.server_id,
+                        adopted,
+                        dropped,
+                    )
+        return pb.ReportObjectsReply(adopted=adopted, dropped=dropped)
 
     async def Heartbeat(self, request: Any, context: Any) -> Any:
         await self._require_cluster(context, "Heartbeat")
         c = request.counters
         counters = {f.name: int(getattr(c, f.name)) for f in c.DESCRIPTOR.fields}
-        rereg, freed = self.core.heartbeat(
-            request.server_id, request.incarnation, counters, time.monotonic()
+        done = request.demoted
+        demoted = [Demotion(d.dram_offset, d.length, d.nvme_offset, d.ok, d.error) for d in done]
+        out = self.core.tier_heartbeat(
+            request.server_id,
+            request.incarnation,
+            counters,
+            time.monotonic(),
+            demoted,
+            request.nvme_used,
         )
+        if out.failed:
+            log.warning(
+                "server %s: %d demotions failed (%s); demoting there paused",
+                request.server_id,
+                len(out.failed),
+                out.failed[0],
+            )
         return pb.HeartbeatReply(
-            reregister=rereg, free=[pb.Range(offset=o, length=n) for o, n in freed]
+            reregister=out.reregister,
+            free=[pb.Range(offset=o, length=n) for o, n in out.free],
+            adopt=[stored(obj, ns) for obj, ns in out.adopt],
+            demote=[pb.DemoteCommand(object=stored(obj, ns)) for obj, ns in out.demote],
+            drop_nvme=[pb.Range(offset=o, length=n) for o, n in out.drop_nvme],
         )
 
     async def RegisterNamespace(self, request: Any, context: Any) -> Any:

@@ -9,6 +9,9 @@ eviction. It is composed of layers, each in its own module:
 * :mod:`.placement`: dedup, checkpoints, allocation within a put's budget;
 * :mod:`.puts`: begin, commit and abort of puts owned by a session;
 * :mod:`.leases`: lookups and read leases owned by a session;
+* :mod:`.tiers`: demotion to the servers' NVMe tiers, NVMe watermarks, heartbeat
+  outboxes (issue 10);
+* :mod:`.rebuild`: the index rebuilt from the servers' reports (issue 10);
 * this module: membership, namespaces, session end, time, stats.
 
 Every method is synchronous and takes ``now`` (monotonic seconds) so tests drive
@@ -24,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 from gcache import keys, wire
@@ -32,9 +35,10 @@ from gcache.config import MetaConfig
 from gcache.errors import LayoutError
 from gcache.layout import Layout, LayoutSpec
 from gcache.meta.eviction import make_policy
-from gcache.meta.leases import Leases
+from gcache.meta.rebuild import Rebuild
 from gcache.meta.records import GONE, NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.session import Session
+from gcache.meta.tiers import Demotion
 
 # Monotonic counters of MetaCore.stats() (always exported, from 0).
 COUNTERS = (
@@ -66,19 +70,46 @@ COUNTERS = (
     "foreign_refused",
     "refused",
     "protocol_errors",
+    # issue 10: tiers and rebuild
+    "demotions_issued",
+    "demotions_done",
+    "demotions_failed",
+    "demotions_unknown",
+    "demotions_void",
+    "demoted_bytes",
+    "dropped_not_demoted",
+    "nvme_evictions",
+    "adopt_overflow",
+    "objects_adopted",
+    "objects_parked",
+    "objects_report_dropped",
+    "parked_dropped",
+    "parked_expired",
+    "report_invalid",
+    "report_duplicates",
+    "reports_completed",
 )
 MAX_NAMESPACES = 4096
 
 
-class MetaCore(Leases):
-    def __init__(self, cfg: MetaConfig) -> None:
+class MetaCore(Rebuild):
+    def __init__(self, cfg: MetaConfig, epoch: int = 0) -> None:
+        """``epoch``: the meta's epoch (unix ms of its start; the daemon sets it), in
+        every grant and in RegisterServerReply; 0 for in-process drivers."""
         self.cfg = cfg
+        self.epoch = epoch
+        self.now_s = 0.0
+        self._compute = {}
+        self.parked_ns = {}
+        self.parked_parent = {}
+        self.parked_all = OrderedDict()
         self.namespaces = {}
         self._ns_by_id: dict[int, NamespaceRecord] = {}
         self.servers = {}
         self.puts = {}
         self.leases = {}
         self.policy = make_policy(cfg.eviction_policy)
+        self.nvme_policy = make_policy(cfg.eviction_policy)
         self._put_heap = []
         self._lease_heap = []
         self.quarantine = []
@@ -107,11 +138,27 @@ class MetaCore(Leases):
         ns = NamespaceRecord(len(self.namespaces) + 1, fp, layout, descriptor)
         self.namespaces[fp] = ns
         self._ns_by_id[ns.ns_id] = ns
+        # What servers reported for it before it was registered (a meta restart).
+        self.adopt_parked_namespace(ns, self.now_s)
         return ns
 
     def register_server(
-        self, addr: wire.ServerAddr, secret: bytes, incarnation: int, capacity: int, now: float
+        self,
+        addr: wire.ServerAddr,
+        secret: bytes,
+        incarnation: int,
+        capacity: int,
+        now: float,
+        *,
+        nvme_capacity: int = 0,
+        nvme_read_gbps: float = 0.0,
+        nvme_write_gbps: float = 0.0,
+        report: bool = False,
+        epoch_grants: bool = True,
     ) -> ServerRecord:
+        """Add (or refresh) a server. ``report``: it holds objects it will report
+        (``report_objects``); nothing is placed on it until the report is complete.
+        ``epoch_grants``: its grants carry this meta's epoch."""
         old = self.servers.get(addr.server_id)
         if old is not None and old.incarnation == incarnation and old.alive:
             old.last_seen = now
@@ -119,22 +166,30 @@ class MetaCore(Leases):
         if old is not None:
             self.drop_server(old, reason="re-registered with a new incarnation")
         rec = ServerRecord(addr.server_id, addr, secret, incarnation, capacity, now)
+        rec.nvme_capacity = nvme_capacity
+        rec.dram_read_gbps = addr.dram_read_gbps
+        rec.nvme_read_gbps = nvme_read_gbps or addr.nvme_read_gbps
+        rec.nvme_write_gbps = nvme_write_gbps
+        rec.grant_epoch = self.epoch if epoch_grants else 0
         self.servers[addr.server_id] = rec
+        if report:
+            self.begin_report(rec)
         self._live = None
         self.counters["servers_registered"] += 1
         return rec
 
     def heartbeat(
-        self, server_id: str, incarnation: int, counters: dict[str, int], now: float
+        self,
+        server_id: str,
+        incarnation: int,
+        counters: dict[str, int],
+        now: float,
+        demoted: list[Demotion] | None = None,
     ) -> tuple[bool, list[tuple[int, int]]]:
-        """Returns (must re-register, ranges freed since the last heartbeat)."""
-        rec = self.servers.get(server_id)
-        if rec is None or not rec.alive or rec.incarnation != incarnation:
-            return True, []
-        rec.last_seen = now
-        rec.counters = counters
-        freed, rec.freed = rec.freed, []
-        return False, freed
+        """Returns (must re-register, ranges freed since the last heartbeat). The
+        whole reply (adopt, demote, drop_nvme) is :meth:`tier_heartbeat`'s."""
+        out = self.tier_heartbeat(server_id, incarnation, counters, now, demoted)
+        return out.reregister, out.free
 
     def drop_server(self, rec: ServerRecord, reason: str) -> None:
         """A server died or restarted: its DRAM is gone, so are its objects. Walks
@@ -154,9 +209,14 @@ class MetaCore(Leases):
                 obj.state = GONE
                 self._prune(ns, entry)
         rec.rings.clear()
+        rec.demoting.clear()
+        rec.adopt_out.clear()
+        rec.demote_out.clear()
+        rec.parked.clear()
         if self.servers.get(rec.server_id) is rec:
             del self.servers[rec.server_id]
         self.policy.forget_server(rec)
+        self.nvme_policy.forget_server(rec)
 
     # ---- sessions ------------------------------------------------------------------
 
@@ -181,7 +241,10 @@ class MetaCore(Leases):
 
     def tick(self, now: float) -> None:
         """Expire leases and abandoned puts, return quarantined ranges whose grants
-        expired, drop silent servers, enforce watermarks."""
+        expired, drop silent servers, enforce watermarks (demoting), free parked
+        reported objects that waited too long."""
+        self.now_s = max(self.now_s, now)
+        self.expire_parked(now)
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lease_id = heapq.heappop(self._lease_heap)
             lease = self.leases.get(lease_id)
@@ -222,6 +285,8 @@ class MetaCore(Leases):
             capacity=sum(s.allocator.capacity for s in self.servers.values()),
             used=sum(s.allocator.used for s in self.servers.values()),
         )
+        out.update(self.tier_stats())
+        out["parked_objects"] = len(self.parked_all)
         for name, val in self.group_bytes.items():
             out[f"bytes_stored_{name}"] = val
         lookups = self.counters["lookup_blocks"]

@@ -34,7 +34,9 @@ TICK_S = 0.1
 
 
 async def run(cfg: MetaConfig) -> None:
-    core = MetaCore(cfg)
+    # The epoch: unix ms of this start. Every grant carries it and servers refuse
+    # writes of an older one, so a restarted meta's predecessor cannot overwrite.
+    core = MetaCore(cfg, epoch=int(time.time() * 1000))
     auth = Authenticator.from_files(cfg.cluster_token_file, cfg.tenants_file)
     tls = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
     listener = listen_tcp(cfg.host, cfg.port, "meta.port, --port", 1024)

@@ -23,17 +23,27 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gcache.layout import PRESETS, Layout, preset
-from gcache.meta.records import LIVE, BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
+from gcache.meta.records import (
+    LIVE,
+    BlockEntry,
+    NamespaceRecord,
+    ObjectRecord,
+    ServerRecord,
+    kids,
+)
 
 HeapItem = tuple[float, int, ObjectRecord, NamespaceRecord]
 
 
 def evictable(obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+    """Live, unleased, and a full object only at a leaf of its tier (see
+    :func:`~gcache.meta.records.kids`: a DRAM block whose children are all on NVMe
+    may leave DRAM, by demotion or eviction)."""
     if obj.state != LIVE or obj.pins:
         return False
     if obj.group != ns.full_group:
         return True
-    return obj.entry.children == 0
+    return kids(obj) == 0
 
 
 class EvictionPolicy(Protocol):
@@ -105,7 +115,7 @@ class LRUPolicy:
 
     def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         # A fresh object is live and unleased: only an interior full one waits.
-        if obj.group != ns.full_group or obj.entry.children == 0:
+        if obj.group != ns.full_group or kids(obj) == 0:
             self._push(obj, ns)
 
     def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
@@ -122,7 +132,7 @@ class LRUPolicy:
     def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         if ns.full_group is not None:
             obj = entry.objects[ns.full_group]
-            if obj is not None and obj.state == LIVE and not obj.pins:
+            if obj is not None and obj.state == LIVE and not obj.pins and not kids(obj):
                 self._push(obj, ns)
 
     def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
@@ -136,7 +146,7 @@ class LRUPolicy:
                 stamp != obj.last_access
                 or obj.state != LIVE
                 or obj.pins
-                or (obj.group == ns.full_group and obj.entry.children)
+                or (obj.group == ns.full_group and kids(obj))
             ):
                 continue  # stale: touched since, evicted, leased, or has children now
             yield obj, ns
@@ -416,10 +426,10 @@ class CostPolicy:
         heapq.heapify(heap)
 
     def _rescore_full(self, e: BlockEntry, ns: NamespaceRecord, nc: _NsCost) -> None:
-        if nc.fg is None or e.children:
+        if nc.fg is None:
             return
         full = e.objects[nc.fg]
-        if full is None or full.state != LIVE or full.pins:
+        if full is None or full.state != LIVE or full.pins or kids(full):
             return
         if nc.windowed and e.objects[nc.windowed[0][0]] is None:
             full.score = ZERO  # the common case while a dead branch collapses
@@ -495,7 +505,7 @@ class CostPolicy:
                 key != obj.last_access + self.tau * obj.score
                 or obj.state != LIVE
                 or obj.pins
-                or (obj.group == ns.full_group and obj.entry.children)
+                or (obj.group == ns.full_group and kids(obj))
             ):
                 continue  # stale: touched or re-scored since, evicted, or interior now
             yield obj, ns

@@ -49,10 +49,13 @@ class Leases(Puts):
             if si is None:
                 si = index[srv.server_id] = len(servers)
                 servers.append(srv.addr)
+            # The grant says the tier (an NVMe object is read over TCP from the
+            # server's tier) and carries this meta's epoch; the tag covers both.
+            ep = srv.grant_epoch
             tag = capability.mint(
-                srv.secret, capability.KIND_READ, obj.offset, obj.length, expiry_ms
+                srv.secret, capability.KIND_READ, obj.offset, obj.length, expiry_ms, obj.tier, ep
             )
-            grant = wire.Grant(obj.offset, obj.length, expiry_ms, tag)
+            grant = wire.Grant(obj.offset, obj.length, expiry_ms, tag, obj.tier, ep)
             locs.append(wire.ObjectLoc(obj.entry.pos, obj.group, si, grant, obj.sums))
         self.leases[lease_id] = Lease(lease_id, ns, picked, expiry, session)
         session.leases.add(lease_id)
@@ -94,11 +97,10 @@ class Leases(Puts):
                 obj = chain[j].objects[g]
                 assert obj is not None
                 picked.append(obj)
-        touch = self.policy.touch
         for obj in picked:
             age = now - obj.last_access
             obj.last_access = now
-            touch(obj, ns, age)
+            self._pol(obj).touch(obj, ns, age)
         return picked
 
     def release(self, lease_id: int, session: Session = LOCAL) -> bool:
@@ -119,7 +121,6 @@ class Leases(Puts):
             obj.pins -= 1
             if obj.pins == 0:
                 if obj.state == EVICTED:
-                    obj.server.deferred_bytes -= obj.length
-                    self._free_object(obj)
+                    self._release_evicted(obj)
                 elif obj.state == LIVE:
-                    self.policy.unpinned(obj, lease.ns)
+                    self._pol(obj).unpinned(obj, lease.ns)

@@ -23,6 +23,15 @@ class Budget:
         self.evict = evict
 
 
+def balance_key(srv: ServerRecord) -> tuple[float, int]:
+    """Lower goes first: recent write load per byte of capacity over (0.5 + the free
+    fraction), then the most free bytes. An empty server gets at most 3x the write
+    rate of a full one (1.5 vs 0.5), so it fills without taking every new write."""
+    cap = srv.allocator.capacity or 1
+    free = srv.allocator.free_bytes
+    return (srv.recent_write / cap) / (0.5 + free / cap), -free
+
+
 class Placement(IndexStore):
     servers: dict[str, ServerRecord]
     _live: list[ServerRecord] | None
@@ -115,12 +124,13 @@ class Placement(IndexStore):
                             placed.append((i, g, only, off, size))
                             budget.alloc -= size
                         else:
-                            where = self._allocate(size, budget)
+                            where = self._allocate(size, budget, now)
                             if where is None:
                                 no_space += 1
                             else:
                                 placed.append((i, g, where[0], where[1], size))
                                 budget.alloc -= size
+                                self._placed(where[0], size, now)
                 mask >>= 1
                 g += 1
         return deduped, no_space
@@ -155,21 +165,36 @@ class Placement(IndexStore):
         return used < self.cfg.low_watermark * cap
 
     def _live_servers(self) -> list[ServerRecord]:
+        """Servers new data may go to: alive, and their report complete (a server
+        still reporting what it holds may hold live data in any range)."""
         live = self._live
         if live is None:
-            live = self._live = [s for s in self.servers.values() if s.alive]
+            live = self._live = [s for s in self.servers.values() if s.alive and s.ready]
         return live
+
+    def _placed(self, srv: ServerRecord, size: int, now: float) -> None:
+        """Count ``size`` bytes placed on ``srv`` in its recent write load, which
+        decays with half-life ``write_balance_s``."""
+        dt = now - srv.recent_at
+        if dt > 0:
+            srv.recent_write *= 2.0 ** (-dt / self.cfg.write_balance_s)
+            srv.recent_at = now
+        srv.recent_write += size
 
     def live_capacity(self) -> int:
         return sum(s.allocator.capacity for s in self._live_servers())
 
-    def _allocate(self, size: int, budget: Budget) -> tuple[ServerRecord, int] | None:
-        """Place ``size`` bytes on the live server with the most free space,
-        evicting (within ``budget.evict``) if nothing fits."""
+    def _allocate(
+        self, size: int, budget: Budget, now: float = 0.0
+    ) -> tuple[ServerRecord, int] | None:
+        """Place ``size`` bytes on the live server with the least recent write load
+        per byte of capacity, weighed by its free space (:func:`balance_key`: a
+        restarted, empty server takes a larger share of new writes, not all of
+        them), evicting (within ``budget.evict``) if nothing fits."""
         live = self._live_servers()
         if not live:
             return None
-        best = live[0] if len(live) == 1 else max(live, key=lambda s: s.allocator.free_bytes)
+        best = live[0] if len(live) == 1 else min(live, key=balance_key)
         off = best.allocator.alloc(size)
         if off is not None:
             return best, off

@@ -96,8 +96,12 @@ class Puts(Placement):
             if si is None:
                 si = index[srv.server_id] = len(servers)
                 servers.append(srv.addr)
-            tag = capability.mint(srv.secret, capability.KIND_WRITE, off, size, expiry_ms)
-            placements.append(wire.Placement(block, g, si, wire.Grant(off, size, expiry_ms, tag)))
+            # Write grants carry this meta's epoch: a server refuses those of an
+            # older meta than the one it registered with (no amnesiac overwrites).
+            ep = srv.grant_epoch
+            tag = capability.mint(srv.secret, capability.KIND_WRITE, off, size, expiry_ms, 0, ep)
+            grant = wire.Grant(off, size, expiry_ms, tag, 0, ep)
+            placements.append(wire.Placement(block, g, si, grant))
         return wire.PutPlaced(put_id, placements, servers, plan.no_space, plan.checkpoints)
 
     def _reserve(self, put: PendingPut, sign: int) -> None:
@@ -212,11 +216,8 @@ class Puts(Placement):
                 self.counters["objects_deduped"] += 1
                 continue
             obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now, owner)
-            entry.objects[g] = obj
-            srv.ring(ns.ns_id).link(obj)
-            if g == ns.full_group:
-                ns.full_holes -= 1
-            srv.objects += 1
+            self._link_object(ns, entry, obj)
+            self._record(ns, obj)
             added[g] += size
             objs.append(obj)
             touched[srv.server_id] = srv

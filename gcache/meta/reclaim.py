@@ -51,7 +51,8 @@ class IndexStore:
     from pending puts."""
 
     cfg: MetaConfig
-    policy: EvictionPolicy
+    policy: EvictionPolicy  # orders DRAM (tier 0) objects
+    nvme_policy: EvictionPolicy  # orders NVMe (tier 1) objects
     namespaces: dict[bytes, NamespaceRecord]
     counters: Counter[str]
     group_bytes: Counter[str]
@@ -63,6 +64,44 @@ class IndexStore:
     # grants may still be presented; they return to the allocator only after.
     quarantine: list[tuple[float, int, ServerRecord, int, int]]
     _qseq: itertools.count[int]
+
+    def _pol(self, obj: ObjectRecord) -> EvictionPolicy:
+        return self.nvme_policy if obj.tier else self.policy
+
+    def _leaf_now(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
+        """``entry`` may have become a leaf of its full object's tier: tell that
+        tier's policy."""
+        fg = ns.full_group
+        if fg is None:
+            return
+        full = entry.objects[fg]
+        if full is not None:
+            self._pol(full).became_leaf(entry, ns)
+
+    def _link_object(self, ns: NamespaceRecord, entry: BlockEntry, obj: ObjectRecord) -> None:
+        """Put ``obj`` (not yet counted) into ``entry`` and the per-server books."""
+        g = obj.group
+        entry.objects[g] = obj
+        srv = obj.server
+        srv.ring(ns.ns_id).link(obj)
+        srv.objects += 1
+        if g == ns.full_group:
+            ns.full_holes -= 1
+            if obj.tier == 0 and entry.parent is not None:
+                entry.parent.hot += 1
+        if obj.tier:
+            srv.nvme_bytes += obj.length
+
+    def _record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
+        """Queue a committed DRAM object for its server's manifest (the next
+        heartbeat reply's ``adopt``); bounded: past ``adopt_outbox`` it is counted
+        and left unrecorded (a restart loses it; nothing wrong is ever served)."""
+        srv = obj.server
+        if len(srv.adopt_out) < self.cfg.adopt_outbox:
+            srv.adopt_out.append((obj, ns))
+        else:
+            srv.adopt_overflow += 1
+            self.counters["adopt_overflow"] += 1
 
     # ---- requests: namespace, keys, access -------------------------------------------
 
@@ -106,26 +145,32 @@ class IndexStore:
         evicted."""
         evicted = 0
         allocator = srv.allocator
-        evict_object = self._evict_object
+        drop = self._drop
         for obj, ns in self.policy.candidates(srv):
-            entry = obj.entry
-            if obj.group == ns.full_group:
-                # Without its full object a block serves no match: take all of it.
-                for g, o in enumerate(entry.objects):
-                    if o is not None:
-                        evicted += o.length
-                        evict_object(ns, entry, g)
-            else:
-                evicted += obj.length
-                evict_object(ns, entry, obj.group)
-            if entry.children == 0 and not any(entry.objects):
-                self._prune(ns, entry)
+            evicted += drop(obj, ns)
             if need_contiguous and allocator.largest_free() >= need_contiguous:
                 break
             if target_used >= 0 and srv.reclaimable_used <= target_used:
                 break
             if evicted >= max_bytes:
                 break
+        return evicted
+
+    def _drop(self, obj: ObjectRecord, ns: NamespaceRecord) -> int:
+        """Evict a policy's candidate; returns the bytes that left the index."""
+        entry = obj.entry
+        evicted = 0
+        if obj.group == ns.full_group:
+            # Without its full object a block serves no match: take all of it.
+            for g, o in enumerate(entry.objects):
+                if o is not None:
+                    evicted += o.length
+                    self._evict_object(ns, entry, g)
+        else:
+            evicted += obj.length
+            self._evict_object(ns, entry, obj.group)
+        if entry.children == 0 and not any(entry.objects):
+            self._prune(ns, entry)
         return evicted
 
     def evict_keys(
@@ -167,23 +212,33 @@ class IndexStore:
         counters = self.counters
         counters["evictions"] += 1
         counters["evicted_bytes"] += size
-        self.policy.evicted(obj, ns)
+        if obj.tier:
+            counters["nvme_evictions"] += 1
+        self._pol(obj).evicted(obj, ns)
         if obj.pins > 0:
-            srv.deferred_bytes += size
+            if obj.tier == 0:
+                srv.deferred_bytes += size
         else:
-            obj.state = GONE
             # A committed object's write grant was consumed (its receipt proves it):
             # its range may be re-used at once.
-            self._free_range(srv, obj.offset, size)
+            self._free_object(obj)
 
     def _unlink(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> ObjectRecord:
         """Take object ``g`` of ``entry`` out of the index and its counters."""
         obj = entry.objects[g]
         assert obj is not None
         entry.objects[g] = None
+        srv = obj.server
         if g == ns.full_group:
             ns.full_holes += 1
-        obj.server.objects -= 1
+            parent = entry.parent
+            if obj.tier == 0 and parent is not None:
+                parent.hot -= 1
+                if parent.hot == 0:
+                    self._leaf_now(parent, ns)
+        if obj.tier:
+            srv.nvme_bytes -= obj.length
+        srv.objects -= 1
         obj.unlink()
         size = obj.length
         self.live_objects -= 1
@@ -213,19 +268,36 @@ class IndexStore:
                 return
             parent.children -= 1
             if parent.children == 0:
-                self.policy.became_leaf(parent, ns)
+                self._leaf_now(parent, ns)
             entry = parent
 
     # ---- returning memory ----------------------------------------------------------------
 
     def _free_object(self, obj: ObjectRecord) -> None:
+        """Return an object's memory: a DRAM range to its allocator (and the server
+        drops its record), an NVMe object to its server for deletion."""
         obj.state = GONE
-        self._free_range(obj.server, obj.offset, obj.length)
+        srv = obj.server
+        if obj.tier == 0:
+            self._free_range(srv, obj.offset, obj.length)
+        elif srv.alive and len(srv.drop_out) < MAX_FREED_REPORT:
+            srv.drop_out.append((obj.offset, obj.length))
+
+    def _release_evicted(self, obj: ObjectRecord) -> None:
+        """The last pin of an evicted object ended: free it now."""
+        if obj.tier == 0:
+            obj.server.deferred_bytes -= obj.length
+        self._free_object(obj)
 
     def _free_range(self, srv: ServerRecord, offset: int, length: int) -> None:
         if not srv.alive:
             return
-        srv.allocator.free(offset)
+        reported = srv.reported
+        if reported is not None and offset in reported:
+            # Adopted from the server's report, before the allocator is built.
+            del reported[offset]
+        else:
+            srv.allocator.free(offset)
         if len(srv.freed) < MAX_FREED_REPORT:
             srv.freed.append((offset, length))
 

@@ -15,6 +15,7 @@ from gcache.layout import Layout
 from gcache.storage.allocator import SegmentAllocator
 
 if TYPE_CHECKING:
+    from gcache.meta.rebuild import Parked
     from gcache.meta.session import Session
 
 LIVE: Final = 0  # in the index, readable
@@ -59,6 +60,7 @@ class ObjectRecord(RingNode):
         "server",
         "state",
         "sums",
+        "tier",
     )
 
     def __init__(
@@ -71,6 +73,7 @@ class ObjectRecord(RingNode):
         sums: bytes,
         now: float,
         owner: str = "",
+        tier: int = 0,
     ) -> None:
         RingNode.__init__(self)
         self.entry = entry
@@ -86,23 +89,30 @@ class ObjectRecord(RingNode):
         # The eviction policy's own figure for this object (the cost policy keeps
         # log(value per byte) here, so a touch re-keys it without recomputing).
         self.score = 0.0
+        # 0: in the server's DRAM segment (``offset`` is a segment offset); 1: on its
+        # NVMe tier (``offset`` is the tier address the server chose).
+        self.tier = tier
 
     def __repr__(self) -> str:
         return (
-            f"ObjectRecord(pos={self.entry.pos}, group={self.group}, "
+            f"ObjectRecord(pos={self.entry.pos}, group={self.group}, tier={self.tier}, "
             f"server={self.server.server_id}, offset={self.offset}, length={self.length}, "
             f"pins={self.pins}, state={self.state})"
         )
 
 
 class BlockEntry:
-    __slots__ = ("children", "key", "objects", "parent", "pos")
+    __slots__ = ("children", "hot", "key", "objects", "parent", "pos")
 
     def __init__(self, key: bytes, parent: BlockEntry | None, pos: int, groups: int) -> None:
         self.key = key
         self.parent = parent
         self.pos = pos
         self.children = 0
+        # Children whose full object is in DRAM (tier 0): a DRAM full object may be
+        # demoted or dropped once none is (its other children are on NVMe, where a
+        # match still reads them through this block's NVMe copy).
+        self.hot = 0
         self.objects: list[ObjectRecord | None] = [None] * groups
 
     def empty(self) -> bool:
@@ -143,19 +153,43 @@ class NamespaceRecord:
         self.max_tail = max((t for _, t in self.windowed), default=0)
 
 
+def kids(obj: ObjectRecord) -> int:
+    """Children that keep ``obj``'s block from being a leaf in its tier: for a DRAM
+    object those with a DRAM full object, for an NVMe one every child."""
+    return obj.entry.hot if obj.tier == 0 else obj.entry.children
+
+
 class ServerRecord:
     __slots__ = (
         "addr",
+        "adopt_out",
+        "adopt_overflow",
         "alive",
         "allocator",
         "counters",
         "deferred_bytes",
+        "demote_out",
+        "demote_paused_until",
+        "demoting",
+        "demoting_bytes",
+        "dram_read_gbps",
+        "drop_out",
         "freed",
+        "grant_epoch",
         "incarnation",
         "last_seen",
+        "nvme_bytes",
+        "nvme_capacity",
+        "nvme_read_gbps",
+        "nvme_used_reported",
+        "nvme_write_gbps",
         "objects",
+        "parked",
         "pending_bytes",
         "quarantined_bytes",
+        "recent_at",
+        "recent_write",
+        "reported",
         "rings",
         "secret",
         "server_id",
@@ -189,6 +223,39 @@ class ServerRecord:
         self.quarantined_bytes = 0
         # Live objects of this server, one ring per namespace id (a sentinel node).
         self.rings: dict[int, RingNode] = {}
+        # -- issue 10: tiers and restarts (gcache/meta/tiers.py, rebuild.py) --
+        self.nvme_capacity = 0
+        self.dram_read_gbps = 0.0
+        self.nvme_read_gbps = 0.0
+        self.nvme_write_gbps = 0.0
+        self.nvme_bytes = 0  # NVMe objects in the index plus demotions in flight
+        self.nvme_used_reported = 0  # what the server says its tier holds
+        # While the server's report is not complete: its reported DRAM objects by
+        # offset (the allocator is built from them at the end); None once complete.
+        # Nothing is placed on a server whose report is not complete.
+        self.reported: dict[int, ObjectRecord] | None = None
+        # Reported objects waiting for their namespace or parent (rebuild.Parked),
+        # DRAM ones by offset: their ranges stay allocated.
+        self.parked: dict[int, Parked] = {}
+        # Grants for this server carry the meta's epoch (servers that check it).
+        self.grant_epoch = 0
+        # Outboxes of the next heartbeat reply (bounded, see tiers.py):
+        self.adopt_out: list[tuple[ObjectRecord, NamespaceRecord]] = []  # record these
+        self.adopt_overflow = 0  # commits the outbox had no room for
+        self.drop_out: list[tuple[int, int]] = []  # NVMe objects evicted: delete
+        # DRAM offset -> (object, its namespace) of a demotion in flight.
+        self.demoting: dict[int, tuple[ObjectRecord, NamespaceRecord]] = {}
+        self.demote_out: list[tuple[ObjectRecord, NamespaceRecord]] = []  # copy to NVMe
+        self.demoting_bytes = 0
+        self.demote_paused_until = 0.0  # after a failed demotion: drop instead
+        # Bytes placed here recently (decayed), for placement's write balance.
+        self.recent_write = 0.0
+        self.recent_at = now
+
+    @property
+    def ready(self) -> bool:
+        """The server's report is complete: new data may be placed on it."""
+        return self.reported is None
 
     def ring(self, ns_id: int) -> RingNode:
         r = self.rings.get(ns_id)
@@ -202,7 +269,11 @@ class ServerRecord:
         quarantine, or of evicted objects still leased (watermarks count these only,
         so an uncommitted put never drives watermark eviction)."""
         return (
-            self.allocator.used - self.deferred_bytes - self.pending_bytes - self.quarantined_bytes
+            self.allocator.used
+            - self.deferred_bytes
+            - self.pending_bytes
+            - self.quarantined_bytes
+            - self.demoting_bytes
         )
 
 

@@ -1,0 +1,277 @@
+"""The NVMe tier, seen from the meta: which DRAM objects are demoted (copied to
+their server's NVMe tier) and which are dropped when DRAM passes its high
+watermark, the NVMe watermarks (evicting from NVMe deletes), finished demotions
+reported by the servers, the outboxes of each server's next heartbeat reply, and
+placement's balance between free space and recent write load. No I/O; ``now``
+comes from the caller.
+
+The rule for a DRAM object leaving DRAM (in the DRAM policy's order):
+
+* demote it when its server has an NVMe tier with room (below the NVMe high
+  watermark after evicting down to the low one), fewer than
+  ``max_demotions_in_flight`` demotions are pending there, no demotion failed there
+  in the last ``DEMOTE_PAUSE_S``, and it is worth a disk write: recomputing its
+  block takes at least ``demote_min_gain`` times as long as reading it back from
+  NVMe at the server's measured bandwidth (recompute FLOPs from the compute model
+  of docs/eviction.md at ``compute_tflops``). A block with cached descendants is
+  always worth it (they need it). Under the cost policy an object that serves no
+  match (score ``ZERO``) is never worth it;
+* otherwise drop it.
+
+A demotion pins the object (it stays readable from DRAM, and nothing reuses its
+range) until the server reports it done; only then is the index switched to the
+NVMe copy and the DRAM range freed (after the last read lease on it ends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from gcache.meta.eviction import ZERO, CostPolicy, ModelCompute, compute_for_layout
+from gcache.meta.leases import Leases
+from gcache.meta.records import EVICTED, LIVE, NamespaceRecord, ObjectRecord, ServerRecord
+
+# Assumed NVMe read bandwidth of a server that reported none (GB/s).
+DEFAULT_NVME_READ_GBPS = 2.0
+# After a failed demotion on a server, drop instead of demoting there for this long.
+DEMOTE_PAUSE_S = 10.0
+# Items per heartbeat reply, at most (a reply stays well inside gRPC's 4 MiB).
+MAX_ADOPT_PER_REPLY = 4096
+MAX_DEMOTE_PER_REPLY = 4096
+MAX_DROP_PER_REPLY = 1 << 16
+
+
+@dataclass
+class Demotion:
+    """A finished demotion a server reports (proto ``Demoted``)."""
+
+    dram_offset: int
+    length: int
+    nvme_offset: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class HeartbeatOut:
+    """What the meta answers a heartbeat (proto ``HeartbeatReply``)."""
+
+    reregister: bool = False
+    free: list[tuple[int, int]] = field(default_factory=list)
+    adopt: list[tuple[ObjectRecord, NamespaceRecord]] = field(default_factory=list)
+    demote: list[tuple[ObjectRecord, NamespaceRecord]] = field(default_factory=list)
+    drop_nvme: list[tuple[int, int]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # errors of failed demotions
+
+
+T = TypeVar("T")
+
+
+def _take(items: list[T], n: int) -> list[T]:
+    """The first ``n`` of ``items``, removed from it."""
+    out = items[:n]
+    del items[:n]
+    return out
+
+
+class Tiers(Leases):
+    epoch: int
+    now_s: float  # the latest ``now`` seen (tick, heartbeat): for demotion pauses
+    _compute: dict[int, ModelCompute]
+
+    # ---- DRAM watermark: demote or drop --------------------------------------------
+
+    def _check_watermark(self, srv: ServerRecord) -> None:
+        cfg = self.cfg
+        cap = srv.allocator.capacity
+        if srv.reclaimable_used > cfg.high_watermark * cap:
+            target = int(cfg.low_watermark * cap)
+            if cfg.demote:
+                self._demote_or_drop(srv, target)
+            else:
+                self._evict(srv, target_used=target, max_bytes=cap)
+        ncap = srv.nvme_capacity
+        if ncap and srv.nvme_bytes > cfg.nvme_high_watermark * ncap:
+            self._evict_nvme(srv, int(cfg.nvme_low_watermark * ncap))
+
+    def _demote_or_drop(self, srv: ServerRecord, target_used: int) -> int:
+        """Take DRAM objects in the policy's store-wide order until ``srv``'s
+        reclaimable usage is at most ``target_used``: each is demoted on its own
+        server if worth it there, else dropped. Returns the bytes that left (or are
+        leaving) DRAM."""
+        moved = 0
+        limit = srv.allocator.capacity
+        for obj, ns in self.policy.candidates(srv):
+            if self._worth_demoting(obj, ns):
+                self._demote(obj, ns)
+                moved += obj.length
+            else:
+                moved += self._drop(obj, ns)
+                self.counters["dropped_not_demoted"] += 1
+            if srv.reclaimable_used <= target_used or moved >= limit:
+                break
+        return moved
+
+    def _compute_of(self, ns: NamespaceRecord) -> ModelCompute:
+        c = self._compute.get(ns.ns_id)
+        if c is None:
+            c = self._compute[ns.ns_id] = compute_for_layout(ns.layout)
+        return c
+
+    def recompute_s(self, ns: NamespaceRecord, pos: int) -> float:
+        """Seconds to recompute block ``pos`` of a prompt at ``compute_tflops``."""
+        bs = ns.layout.block_size
+        flops = self._compute_of(ns).span(pos * bs, (pos + 1) * bs)
+        return flops / (self.cfg.compute_tflops * 1e12)
+
+    def _worth_demoting(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        srv = obj.server
+        cfg = self.cfg
+        if (
+            not srv.nvme_capacity
+            or not srv.alive
+            or not srv.ready
+            or len(srv.demoting) >= cfg.max_demotions_in_flight
+            or self.now_s < srv.demote_paused_until
+        ):
+            return False
+        if obj.group != ns.full_group or obj.entry.children == 0:
+            # Not a block whose cached descendants need it: judge it by value.
+            if isinstance(self.policy, CostPolicy) and obj.score <= ZERO / 2:
+                return False  # it serves no match as things stand
+            gbps = srv.nvme_read_gbps or DEFAULT_NVME_READ_GBPS
+            read_s = obj.length / (gbps * 1e9)
+            if self.recompute_s(ns, obj.entry.pos) < cfg.demote_min_gain * read_s:
+                return False
+        high = cfg.nvme_high_watermark * srv.nvme_capacity
+        if srv.nvme_bytes + obj.length > high:
+            self._evict_nvme(srv, int(cfg.nvme_low_watermark * srv.nvme_capacity))
+            if srv.nvme_bytes + obj.length > high:
+                return False
+        return True
+
+    def _demote(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        """Ask ``obj``'s server to copy it to NVMe. The object stays readable from
+        DRAM and pinned (its range is not reused) until the server reports back."""
+        srv = obj.server
+        obj.pins += 1
+        srv.demoting[obj.offset] = (obj, ns)
+        srv.demoting_bytes += obj.length
+        srv.nvme_bytes += obj.length  # reserved until the report
+        srv.demote_out.append((obj, ns))
+        self.counters["demotions_issued"] += 1
+
+    def _evict_nvme(self, srv: ServerRecord, target: int) -> int:
+        """Evict NVMe objects in the NVMe policy's order until ``srv``'s tier holds
+        at most ``target`` bytes; evicting from NVMe deletes (``drop_nvme``)."""
+        evicted = 0
+        for obj, ns in self.nvme_policy.candidates(srv):
+            evicted += self._drop(obj, ns)
+            if srv.nvme_bytes <= target:
+                break
+        return evicted
+
+    def demoted(self, srv: ServerRecord, done: Demotion, now: float) -> str | None:
+        """A server finished (or failed) a demotion. Returns a failure to log, if
+        any."""
+        got = srv.demoting.pop(done.dram_offset, None)
+        c = self.counters
+        if got is None or got[0].length != done.length:
+            c["demotions_unknown"] += 1
+            if got is not None:  # not the object we asked for: put it back
+                srv.demoting[done.dram_offset] = got
+            if done.ok:
+                srv.drop_out.append((done.nvme_offset, done.length))
+            return None
+        obj, ns = got
+        length = obj.length
+        srv.demoting_bytes -= length
+        srv.nvme_bytes -= length  # the reservation; the NVMe record counts from here
+        obj.pins -= 1
+        if not done.ok or obj.state != LIVE:
+            if done.ok:  # evicted while it was being copied: delete the copy
+                srv.drop_out.append((done.nvme_offset, length))
+                c["demotions_void"] += 1
+            else:
+                c["demotions_failed"] += 1
+                srv.demote_paused_until = now + DEMOTE_PAUSE_S
+            if obj.pins == 0:
+                if obj.state == EVICTED:
+                    self._release_evicted(obj)
+                elif obj.state == LIVE:
+                    self.policy.unpinned(obj, ns)
+            return None if done.ok else (done.error or "unknown error")
+        # Switch the index to the NVMe copy, then let the DRAM range go.
+        entry = obj.entry
+        self._unlink(ns, entry, obj.group)
+        new = ObjectRecord(
+            entry, obj.group, srv, done.nvme_offset, length, obj.sums, obj.last_access,
+            obj.owner, tier=1,
+        )  # fmt: skip
+        new.score = obj.score
+        self._link_object(ns, entry, new)
+        self._count_in(ns, new)
+        self.nvme_policy.admit(new, ns)
+        if obj.pins:
+            srv.deferred_bytes += length  # freed when its last read lease ends
+        else:
+            self._free_object(obj)
+        c["demotions_done"] += 1
+        c["demoted_bytes"] += length
+        return None
+
+    def _count_in(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
+        """Count a newly linked object in the store-wide totals."""
+        self.live_objects += 1
+        self.live_bytes += obj.length
+        self.group_bytes[ns.layout.group_names[obj.group]] += obj.length
+        if obj.owner:
+            self.tenant_bytes[obj.owner] += obj.length
+
+    # ---- heartbeats ------------------------------------------------------------------
+
+    def tier_heartbeat(
+        self,
+        server_id: str,
+        incarnation: int,
+        counters: dict[str, int],
+        now: float,
+        demoted: list[Demotion] | None = None,
+        nvme_used: int = 0,
+    ) -> HeartbeatOut:
+        """A server's heartbeat: apply its finished demotions, then answer with
+        what it must do (bounded per reply; the rest waits for the next one)."""
+        self.now_s = max(self.now_s, now)
+        srv = self.servers.get(server_id)
+        if srv is None or not srv.alive or srv.incarnation != incarnation:
+            return HeartbeatOut(reregister=True)
+        srv.last_seen = now
+        srv.counters = counters
+        srv.nvme_used_reported = nvme_used
+        out = HeartbeatOut()
+        for d in demoted or ():
+            err = self.demoted(srv, d, now)
+            if err is not None:
+                out.failed.append(err)
+        # Order matters to the server: free, then adopt, then demote.
+        out.free, srv.freed = srv.freed, []
+        out.adopt = [
+            (o, ns)
+            for o, ns in _take(srv.adopt_out, MAX_ADOPT_PER_REPLY)
+            if o.state == LIVE and o.tier == 0
+        ]
+        out.demote = _take(srv.demote_out, MAX_DEMOTE_PER_REPLY)
+        out.drop_nvme = _take(srv.drop_out, MAX_DROP_PER_REPLY)
+        self._check_watermark(srv)
+        return out
+
+    def tier_stats(self) -> dict[str, float]:
+        live = [s for s in self.servers.values() if s.alive]
+        return {
+            "epoch": self.epoch,
+            "nvme_capacity": sum(s.nvme_capacity for s in live),
+            "nvme_used": sum(s.nvme_bytes for s in live),
+            "demotions_in_flight": sum(len(s.demoting) for s in live),
+            "servers_reporting": sum(1 for s in live if not s.ready),
+        }
