@@ -17,6 +17,7 @@ import time
 import aiohttp
 
 from gcache import config as cfgmod
+from gcache.auth import load_client_token
 from gcache.config import RouterConfig
 from gcache.errors import BindError
 from gcache.router.hotpath import PoolMatcher, RouterHotPath
@@ -24,7 +25,6 @@ from gcache.router.ingest import EventSubscriber
 from gcache.router.service import RouterCore
 from gcache.startup import (
     OneLineParser,
-    bind_error,
     install_uvloop,
     listen_tcp,
     run_main,
@@ -59,6 +59,7 @@ async def health_prober(core: RouterCore) -> None:
 
 async def run(cfg: RouterConfig) -> None:
     core = RouterCore(cfg, time.monotonic())
+    token = load_client_token(cfg.token, cfg.token_file)  # one line if unreadable
     subscriber = EventSubscriber(core)
     subscriber.open()
     try:
@@ -67,21 +68,23 @@ async def run(cfg: RouterConfig) -> None:
         subscriber.close()
         raise
     port = listener.getsockname()[1]
-    pool = PoolMatcher(cfg.meta, core.fp, cfg.pool_timeout_s) if core.pool_enabled else None
+    pool = PoolMatcher(cfg.meta, core.fp, cfg.pool_timeout_s, token) if core.pool_enabled else None
     hot = RouterHotPath(core, listener, pool)
     front = None
     http_port = -1
     if cfg.http_port >= 0:
         from gcache.router.http import HttpFront
 
-        front = HttpFront(core, pool)
         try:
-            http_port = await front.start(cfg.host, cfg.http_port)
-        except OSError as exc:
+            http_listener = listen_tcp(
+                cfg.host, cfg.http_port, "router.http_port, --http-port", 1024
+            )
+        except BindError:
             listener.close()
             subscriber.close()
-            await front.close()
-            raise bind_error(cfg.host, cfg.http_port, "router.http_port, --http-port", exc) from exc
+            raise
+        front = HttpFront(core, pool, hot.stats)
+        http_port = await front.start(http_listener)
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -40,36 +40,61 @@ class PoolMatcher:
     """Window-safe blocks the GCache pool holds for a prompt: one lease-free
     ``LOOKUP`` on the meta's hot path, one request at a time on one connection.
     A failure or a timeout counts as no pool hit (and drops the connection, so a
-    late reply can never answer the next request)."""
+    late reply can never answer the next request); failures are logged at a
+    bounded rate. With ``token`` set, each new connection first sends ``HELLO``
+    with it, so a meta with a tenant table serves the lookups (the token's tenant
+    must be allowed the namespace)."""
 
-    def __init__(self, addr: str, namespace: bytes, timeout_s: float) -> None:
+    def __init__(
+        self, addr: str, namespace: bytes, timeout_s: float, token: str | None = None
+    ) -> None:
         host, _, port = addr.rpartition(":")
         self.host, self.port = host, int(port)
         self.namespace = namespace
         self.timeout_s = timeout_s
+        self._token = token
         self._stream: FrameStream | None = None
         self._lock = asyncio.Lock()
         self._req = 0
         self.lookups = 0
         self.failures = 0
         self.last_error = ""
+        self.fail_log = RateLimitedLog(log)
 
-    async def _call(self, keys: Sequence[bytes]) -> int:
-        if self._stream is None or self._stream.closed:
-            self._stream = await FrameStream.connect(self.host, self.port, self.timeout_s)
+    async def _request(self, stream: FrameStream, msg: wire.Msg) -> tuple[int, object]:
         self._req = (self._req + 1) & 0xFFFFFFFF
-        stream = self._stream
-        await stream.send_msg(wire.Lookup(self.namespace, list(keys)), self._req)
+        await stream.send_msg(msg, self._req)
         frame = await stream.recv_frame()
         if frame is None:
             raise GCacheError("meta closed the connection")
         head, reply = frame
         if head.req_id != self._req:
             raise GCacheError("reply out of order")
+        return head.msg_type, reply
+
+    async def _connect(self) -> FrameStream:
+        stream = await FrameStream.connect(self.host, self.port, self.timeout_s)
+        if self._token is not None:
+            try:
+                _, reply = await self._request(stream, wire.Hello(self._token))
+            except BaseException:
+                stream.close()
+                raise
+            if not isinstance(reply, wire.Ok):
+                stream.close()
+                why = reply.message if isinstance(reply, wire.Error) else "unexpected reply"
+                raise GCacheError(f"meta refused the router's access token (HELLO): {why}")
+        return stream
+
+    async def _call(self, keys: Sequence[bytes]) -> int:
+        if self._stream is None or self._stream.closed:
+            self._stream = await self._connect()
+        stream = self._stream
+        msg_type, reply = await self._request(stream, wire.Lookup(self.namespace, list(keys)))
         if isinstance(reply, wire.Error):
             raise GCacheError(f"meta refused the lookup: {reply.message}")
         if not isinstance(reply, wire.LookupResult):
-            raise GCacheError(f"unexpected reply type {head.msg_type}")
+            raise GCacheError(f"unexpected reply type {msg_type}")
         return int(reply.blocks)
 
     async def match(self, keys: Sequence[bytes]) -> int:
@@ -82,6 +107,13 @@ class PoolMatcher:
             except (TimeoutError, GCacheError, OSError) as exc:
                 self.failures += 1
                 self.last_error = str(exc) or type(exc).__name__
+                self.fail_log.log(
+                    time.monotonic(),
+                    "router: pool match at meta %s:%d failed (routed with no pool hit): %s",
+                    self.host,
+                    self.port,
+                    self.last_error,
+                )
                 if self._stream is not None:
                     self._stream.close()
                     self._stream = None
@@ -92,7 +124,11 @@ class PoolMatcher:
             self._stream.close()
 
     def stats(self) -> dict[str, int]:
-        return {"pool_lookups": self.lookups, "pool_failures": self.failures}
+        return {
+            "lookups": self.lookups,
+            "failures": self.failures,
+            **self.fail_log.stats("failures"),
+        }
 
 
 def route_key_check(max_keys: int) -> BodyCheck:
@@ -126,7 +162,8 @@ class RouterHotPath:
         return {
             **self.limiter.stats(),
             "protocol_errors": self.protocol_errors,
-            **(self.pool.stats() if self.pool is not None else {}),
+            **self.bad_frame_log.stats("bad_frames"),
+            **self.refused_log.stats("refused_connections"),
         }
 
     async def route(self, msg: wire.Route) -> wire.Routed:

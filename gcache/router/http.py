@@ -8,15 +8,24 @@ and the request is forwarded unchanged to the chosen instance; the reply (an SSE
 stream included) is passed through chunk by chunk as it arrives. The chosen
 instance is named in the ``x-gcache-instance`` reply header. At most
 ``router.max_proxied`` requests are proxied at once; one past that gets 503.
+
+Bounded like the hot path: request bodies past ``router.max_http_body`` get 413
+(aiohttp ``client_max_size``); at most ``router.http_max_connections`` connections
+(``http_max_connections_per_peer`` from one address) are open at once, one past
+that gets a 503 with the reason and is closed (refusals logged at a bounded rate);
+a connection that starts no request for ``router.idle_timeout_s`` (a half-sent
+request included) is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import socket
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +36,9 @@ from gcache.config import parse_size
 from gcache.errors import E_NO_INSTANCE, Refusal
 from gcache.router.hotpath import PoolMatcher
 from gcache.router.service import RouterCore
+from gcache.transport.limits import Conn, ConnectionLimiter, RateLimitedLog, idle_sweeper
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger("gcache.router.http")
 HOP_HEADERS = frozenset(
@@ -38,12 +50,82 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind}}, status=status)
 
 
+def busy_response(reason: str) -> bytes:
+    """The whole HTTP answer to a connection refused at the limits."""
+    body = json.dumps({"error": {"message": f"connection refused: {reason}", "type": "busy"}})
+    raw = body.encode()
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw
+    )
+
+
+class _Admitted(asyncio.Protocol):
+    """One HTTP connection: admitted through the front's :class:`ConnectionLimiter`
+    when it is made (else answered 503 and closed), then handed to aiohttp's
+    request handler; its slot is given back when it is lost."""
+
+    def __init__(self, front: HttpFront) -> None:
+        self.front = front
+        self.inner: asyncio.Protocol | None = None
+        self.conn: Conn | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        front = self.front
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        now = time.monotonic()
+        conn = front.limiter.admit(host, transport.close, now)
+        if isinstance(conn, str):
+            front.refused_log.log(now, "router HTTP: refused a connection from %s: %s", host, conn)
+            transport.write(busy_response(conn))
+            transport.close()
+            return
+        self.conn, self.transport = conn, transport
+        conn.idle_since = now  # no request yet
+        front.conns[transport] = conn
+        assert front.runner is not None and front.runner.server is not None
+        self.inner = front.runner.server()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is not None:
+            self.front.limiter.release(self.conn)
+            self.front.conns.pop(self.transport, None)
+            self.conn = None
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+
 class _CoreCollector:
     """Exports the core's counters and per-instance state at scrape time."""
 
-    def __init__(self, core: RouterCore, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        core: RouterCore,
+        clock: Callable[[], float],
+        fronts: Callable[[], dict[str, dict[str, int]]],
+    ) -> None:
         self.core = core
         self.clock = clock
+        self.fronts = fronts
 
     def collect(self) -> Any:
         now = self.clock()
@@ -92,6 +174,23 @@ class _CoreCollector:
         yield g_blocks
         yield g_load
         yield routed
+        conns = CounterMetricFamily(
+            "gcache_router_connections",
+            "connections of the hot path and the HTTP front (accepted, refused, closed "
+            "idle, send timeouts, bad frames) and the pool match's meta lookups",
+            labels=["front", "what"],
+        )
+        now_open = GaugeMetricFamily(
+            "gcache_router_connections_open",
+            "connections open now (what: connections_open, peers_connected)",
+            labels=["front", "what"],
+        )
+        for front, stats in self.fronts().items():
+            for k, v in stats.items():
+                gauge = k in ("connections_open", "peers_connected")
+                (now_open if gauge else conns).add_metric([front, k], v)
+        yield conns
+        yield now_open
 
 
 class HttpFront:
@@ -99,16 +198,20 @@ class HttpFront:
         self,
         core: RouterCore,
         pool: PoolMatcher | None,
+        hot_stats: Callable[[], dict[str, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.core = core
         self.pool = pool
+        self.hot_stats = hot_stats
         self.clock = clock
         cfg = core.cfg
         self.max_proxied = cfg.max_proxied
         self.proxying = 0
         self.registry = CollectorRegistry()
-        self.registry.register(_CoreCollector(core, clock))  # type: ignore[arg-type]
+        self.registry.register(
+            _CoreCollector(core, clock, self._front_stats)  # type: ignore[arg-type]
+        )
         self.m_decision = Histogram(
             "gcache_router_decision_seconds",
             "time to route one request (pool lookup included)",
@@ -121,7 +224,16 @@ class HttpFront:
         self.m_inflight = Gauge(
             "gcache_router_proxy_inflight", "requests being proxied", registry=self.registry
         )
-        self.app = web.Application(client_max_size=parse_size(cfg.max_http_body))
+        self.limiter = ConnectionLimiter(
+            cfg.http_max_connections, cfg.http_max_connections_per_peer, cfg.idle_timeout_s
+        )
+        self.conns: dict[asyncio.Transport | None, Conn] = {}
+        self.refused_log = RateLimitedLog(log)
+        self.listener: asyncio.Server | None = None
+        self.sweeper: asyncio.Task[None] | None = None
+        self.app = web.Application(
+            client_max_size=parse_size(cfg.max_http_body), middlewares=[self._in_flight]
+        )
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/route", self.route_only)
@@ -130,18 +242,45 @@ class HttpFront:
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int) -> int:
+    @web.middleware
+    async def _in_flight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A connection serving a request is not idle; it is again once answered."""
+        conn = self.conns.get(request.transport)  # type: ignore[arg-type]
+        if conn is not None:
+            conn.idle_since = None
+        try:
+            return await handler(request)
+        finally:
+            if conn is not None:
+                conn.idle_since = time.monotonic()
+
+    async def start(self, listener: socket.socket) -> int:
+        """Serve on ``listener`` (bound by the daemon); the port it is bound to."""
         timeout = aiohttp.ClientTimeout(total=self.core.cfg.proxy_timeout_s, sock_connect=5.0)
         self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, reuse_address=True)
-        await site.start()
-        server = site._server  # the bound port (port 0: a free one)
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        loop = asyncio.get_running_loop()
+        self.listener = await loop.create_server(lambda: _Admitted(self), sock=listener)
+        self.sweeper = asyncio.create_task(idle_sweeper(self.limiter))
+        return int(listener.getsockname()[1])
+
+    def stats(self) -> dict[str, int]:
+        return {**self.limiter.stats(), **self.refused_log.stats("refused_connections")}
+
+    def _front_stats(self) -> dict[str, dict[str, int]]:
+        out = {"http": self.stats()}
+        if self.hot_stats is not None:
+            out["hotpath"] = self.hot_stats()
+        if self.pool is not None:
+            out["pool"] = self.pool.stats()
+        return out
 
     async def close(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        if self.listener is not None:
+            self.listener.close()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.session is not None:

@@ -52,8 +52,8 @@ class Router:
     ) -> None:
         ready = tmp / f"{name}.ready"
         self.log = tmp / f"{name}.log"
-        self.pub = zmq.Context.instance().socket(zmq.PUB)
-        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.pub: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUB)
+        self.pub_port: int = self.pub.bind_to_random_port("tcp://127.0.0.1")
         listed = instances.format(pub=f"tcp://127.0.0.1:{self.pub_port}")
         self.proc = subprocess.Popen(
             [
@@ -73,7 +73,7 @@ class Router:
             time.sleep(0.05)
         _, port, http_port, events = ready.read_text().split()
         self.port, self.http = int(port), int(http_port)
-        self.events = zmq.Context.instance().socket(zmq.PUB)  # engines that connect
+        self.events: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUB)  # engines
         self.events.connect(events)
         self.seq: dict[str, int] = {}
         time.sleep(0.5)  # ZMQ subscriptions propagate
