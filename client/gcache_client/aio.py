@@ -27,6 +27,7 @@ from gcache import keys as keymod
 from gcache import layout as laymod
 from gcache import wire
 from gcache._proto import gcache_pb2 as pb
+from gcache.compute import UNIT_COMPUTE, ModelCompute, compute_for_layout
 from gcache.config import ClientConfig
 from gcache.errors import (
     ClosedError,
@@ -43,6 +44,7 @@ from gcache_client.leases import ReleaseBatcher
 from gcache_client.plans import OFFLOAD_BYTES, copy_verify, halves, plan_layer, verify
 from gcache_client.pool import ConnectionPool
 from gcache_client.router import AsyncRouterClient
+from gcache_client.tiers import best_cut
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 from gcache_client.writer import Writer
 
@@ -65,6 +67,7 @@ class AsyncGCacheClient:
         self._releases = ReleaseBatcher(self._meta_call)
         self._writer = Writer(self, self.pool)
         self._closed = False
+        self._compute: dict[bytes, ModelCompute] = {}  # namespace -> compute model
         # Hit reports to gcache-router after each match (client.router + instance_id).
         self.router: AsyncRouterClient | None = (
             AsyncRouterClient(self.config.router, timeout_s=self.config.timeout_s)
@@ -245,9 +248,48 @@ class AsyncGCacheClient:
             self.counters["misses"] += 1
             self._report_hits(len(tokens), local_tokens, 0)
             return Match(ns, 0, 0)
+        if self.config.load_or_recompute and res.blocks and res.objects:
+            res = await self._load_or_recompute(ns, block_keys, res)
         self.counters["hits" if res.blocks else "misses"] += 1
         self._report_hits(len(tokens), local_tokens, int(res.tokens))
         return Match(ns, res.blocks, res.tokens, res.lease_id, res.objects, res.servers)
+
+    async def _load_or_recompute(
+        self, ns: Namespace, block_keys: list[bytes], res: wire.LookupResult
+    ) -> wire.LookupResult:
+        """Cut the match where loading the rest would take longer than recomputing
+        it (:func:`gcache_client.tiers.best_cut`)."""
+        layout = ns.layout
+        compute = self._compute.get(ns.fingerprint)
+        if compute is None:
+            compute = self._compute[ns.fingerprint] = compute_for_layout(layout)
+        if compute is UNIT_COMPUTE:
+            return res  # a model of unknown cost: always load
+        q = best_cut(
+            layout, compute, res.blocks, res.objects, res.servers, self.config.compute_tflops
+        )
+        if q >= res.blocks:
+            return res
+        self.counters["matches_cut"] += 1
+        self.counters["blocks_cut"] += res.blocks - q
+        bs = layout.block_size
+        if q == 0:
+            self._releases.add(res.lease_id)
+            return wire.LookupResult(blocks=0, tokens=0)
+        if all(t is None for t in layout.group_tail_blocks):
+            # No windows: any prefix of the match is valid; keep the lease.
+            objs = [o for o in res.objects if o.block < q]
+            return wire.LookupResult(q, q * bs, res.lease_id, objs, res.servers)
+        # Windowed groups need their window at the new end: ask again for q blocks.
+        self._releases.add(res.lease_id)
+        try:
+            got: wire.LookupResult = await self._ns_call(
+                ns, wire.Lookup(ns.fingerprint, block_keys[:q], True, self._take_releases())
+            )
+        except GCacheError as exc:
+            log.warning("match failed (miss): %s", exc)
+            return wire.LookupResult(blocks=0, tokens=0)
+        return got
 
     def _report_hits(self, prompt: int, local: int, pool: int) -> None:
         if self.router is not None:
@@ -318,9 +360,12 @@ class AsyncGCacheClient:
         plans = await self.pool.offload(plan_layer, *plan_args) if big else plan_layer(*plan_args)
         remote = {}
         for si, sp in plans.items():
-            seg = self.pool.mapped(match.servers[si])
+            addr = match.servers[si >> 1]  # si: plan_key(server, tier)
+            seg = self.pool.mapped(addr) if not si & 1 else None
             if seg is None:
-                remote[si] = await self.pool.server(match.servers[si])
+                remote[si] = await self.pool.server(addr)
+                if si & 1:
+                    self.counters["bytes_read_nvme"] += sp.nbytes
                 continue
             if big:  # copy + verify, half of the blocks on each copy thread
                 parts = halves(len(sp.checks), sp.nbytes)

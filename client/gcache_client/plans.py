@@ -57,6 +57,12 @@ class ServerPlan:
         self.nbytes = 0
 
 
+def plan_key(server: int, tier: int) -> int:
+    """Plans are per server and tier: NVMe (tier 1) objects are always read over TCP
+    (the server reads its disk), DRAM ones over shared memory where it is mapped."""
+    return server << 1 | (tier & 1)
+
+
 def plan_layer(
     match: Match,
     g: int,
@@ -68,6 +74,7 @@ def plan_layer(
     k_arr: np.ndarray,
     v_arr: np.ndarray,
 ) -> dict[int, ServerPlan]:
+    """One layer's reads, per :func:`plan_key` (server index and tier)."""
     plans: dict[int, ServerPlan] = {}
     kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
     objects = match.objects
@@ -75,9 +82,10 @@ def plan_layer(
         loc = objects.get((blk, g))
         if loc is None:
             raise IntegrityError(f"match lacks object ({blk}, {g})")
-        sp = plans.get(loc.server)
+        key = plan_key(loc.server, loc.grant.tier)
+        sp = plans.get(key)
         if sp is None:
-            sp = plans[loc.server] = ServerPlan()
+            sp = plans[key] = ServerPlan()
         gi = len(sp.grants)
         sp.grants.append(loc.grant)
         base = loc.grant.offset + off

@@ -13,9 +13,10 @@ The rule for a DRAM object leaving DRAM (in the DRAM policy's order):
   in the last ``DEMOTE_PAUSE_S``, and it is worth a disk write: recomputing its
   block takes at least ``demote_min_gain`` times as long as reading it back from
   NVMe at the server's measured bandwidth (recompute FLOPs from the compute model
-  of docs/eviction.md at ``compute_tflops``). A block with cached descendants is
-  always worth it (they need it). Under the cost policy an object that serves no
-  match (score ``ZERO``) is never worth it;
+  of docs/eviction.md at ``compute_tflops``; a model of unknown cost is always
+  worth it). A block with cached descendants is always worth it (they need it).
+  Under the cost policy an object that serves no match (score ``ZERO``) is never
+  worth it;
 * otherwise drop it.
 
 A demotion pins the object (it stays readable from DRAM, and nothing reuses its
@@ -28,7 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from gcache.meta.eviction import ZERO, CostPolicy, ModelCompute, compute_for_layout
+from gcache.meta.eviction import (
+    UNIT_COMPUTE,
+    ZERO,
+    CostPolicy,
+    ModelCompute,
+    compute_for_layout,
+)
 from gcache.meta.leases import Leases
 from gcache.meta.records import EVICTED, LIVE, NamespaceRecord, ObjectRecord, ServerRecord
 
@@ -142,7 +149,8 @@ class Tiers(Leases):
                 return False  # it serves no match as things stand
             gbps = srv.nvme_read_gbps or DEFAULT_NVME_READ_GBPS
             read_s = obj.length / (gbps * 1e9)
-            if self.recompute_s(ns, obj.entry.pos) < cfg.demote_min_gain * read_s:
+            known = self._compute_of(ns) is not UNIT_COMPUTE  # unknown: keep what fits
+            if known and self.recompute_s(ns, obj.entry.pos) < cfg.demote_min_gain * read_s:
                 return False
         high = cfg.nvme_high_watermark * srv.nvme_capacity
         if srv.nvme_bytes + obj.length > high:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gcache import capability, keys, wire
 from gcache.config import MetaConfig
+from gcache.layout import preset
 from gcache.meta.core import MetaCore
 from gcache.meta.rebuild import Parked
 from gcache.meta.records import LIVE, NamespaceRecord, ObjectRecord
@@ -158,7 +159,11 @@ def test_interior_dram_blocks_demote_once_their_children_are_on_nvme() -> None:
 
 
 def test_objects_not_worth_a_disk_write_are_dropped() -> None:
-    core, fp = make(compute_tflops=400.0)  # 1 FLOP a token: recomputing is free
+    # Llama-3-8B with 4-token blocks: 64 GFLOP (0.16 ms at 400 TFLOP/s) to recompute
+    # a block, 512 KiB (0.26 ms at 2 GB/s) to read it back: not worth a disk write.
+    core = MetaCore(MetaConfig(compute_tflops=400.0))
+    core.register_server(addr(0), bytes(16), 1, 8 * MB, 0.0, nvme_capacity=64 * MB)
+    fp = core.register_namespace({"model": "llama"}, preset("llama-3-8b", 4)).fingerprint
     for p in range(12):
         put(core, fp, toks(p), float(p))
     assert core.counters["demotions_issued"] == 0
