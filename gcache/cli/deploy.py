@@ -52,7 +52,13 @@ class LocalDeployment:
         server_args: list[str] | None = None,
         log_level: str = "info",
         tls_ca: str = "",
+        nvme_size: str = "0",
+        keep_segments: bool = False,
     ) -> None:
+        """``nvme_size``: each server's NVMe tier, in ``data_dir/serverN-nvme`` ("0":
+        none). ``keep_segments``: leave the servers' segment files (and manifests) in
+        the tmpfs at :meth:`stop` for a later start to re-adopt; by default they are
+        removed (a server stopped on its own keeps them)."""
         self.data_dir = Path(data_dir)
         self.n_servers = servers
         self.capacity = capacity
@@ -65,6 +71,8 @@ class LocalDeployment:
         self.server_args = server_args or []
         self.log_level = log_level
         self.tls_ca = tls_ca  # CA of the meta's gRPC TLS certificate (stats, clients)
+        self.nvme_size = nvme_size
+        self.keep_segments = keep_segments
         self.meta: Proc | None = None
         self.servers: list[Proc] = []
         self.extra: list[Proc] = []  # engines and a router (gcache/cli/fleet.py)
@@ -176,6 +184,7 @@ class LocalDeployment:
                 "0.5",
                 "--ready-file",
                 str(ready),
+                *self._nvme_args(i),
                 *self.server_args,
             ],
         )
@@ -192,6 +201,23 @@ class LocalDeployment:
         else:
             self.servers.append(proc)
         return proc
+
+    def _nvme_args(self, i: int) -> list[str]:
+        if self.nvme_size in ("", "0"):
+            return []
+        return ["--nvme-size", self.nvme_size, "--nvme-path", str(self.nvme_dir(i))]
+
+    def nvme_dir(self, i: int) -> Path:
+        return self.data_dir / f"server{i}-nvme"
+
+    def segment_files(self, i: int) -> list[Path]:
+        """Segment file and manifest of server ``i``'s current process."""
+        shm = "/dev/shm"
+        args = self.server_args
+        if "--shm-dir" in args[:-1]:
+            shm = args[args.index("--shm-dir") + 1]
+        pid = self.servers[i].popen.pid
+        return [Path(shm) / f"gcache-server{i}-{pid}.{ext}" for ext in ("seg", "manifest")]
 
     def wait_servers(self, n: int, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + max(timeout, 1.0)
@@ -225,6 +251,10 @@ class LocalDeployment:
         for fh in self._logs:
             fh.close()
         self._logs.clear()
+        if not self.keep_segments:
+            for i in range(len(self.servers)):
+                for path in self.segment_files(i):
+                    path.unlink(missing_ok=True)
         return codes
 
     def __enter__(self) -> LocalDeployment:

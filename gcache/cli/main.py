@@ -48,7 +48,16 @@ def up_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> 
         },
     )
     last = args.server_port + max(args.servers - 1, 0) if args.server_port else 0
-    load(ServerConfig, env={}, overrides={"port": last, "capacity": args.capacity})
+    load(
+        ServerConfig,
+        env={},
+        overrides={
+            "port": last,
+            "capacity": args.capacity,
+            "nvme_size": args.nvme_size,
+            "nvme_path": "nvme" if args.nvme_size not in ("", "0") else "",
+        },
+    )
     if args.servers < 1:
         raise ConfigError(f"--servers must be >= 1, got {args.servers}")
 
@@ -66,6 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         server_ports=ports,
         log_level=args.log_level,
+        nvme_size=args.nvme_size,
     )
     stop = {"signal": 0}
     serving = {"now": False}
@@ -294,6 +304,11 @@ def main(argv: list[str] | None = None) -> None:
         "--capacity",
         default="1GiB",
         help="DRAM segment per server (default 1GiB; 1G = 1GiB, 1GB = 10**9 bytes)",
+    )
+    up.add_argument(
+        "--nvme-size",
+        default="256MiB",
+        help="NVMe tier per server, under --data-dir (default 256MiB; 0 turns it off)",
     )
     up.add_argument("--host", help="listen address (default $GCACHE_META_HOST, else 127.0.0.1)")
     up.add_argument(

@@ -8,6 +8,7 @@ per-connection tasks and the control loop (register + heartbeat over gRPC);
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import random
@@ -24,8 +25,17 @@ from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import aio_channel, load_cluster_token
 from gcache.config import ServerConfig
-from gcache.errors import E_BAD_REQUEST, GCacheError, ProtocolError, Refusal, SendTimeout
+from gcache.errors import (
+    E_BAD_REQUEST,
+    E_INTERNAL,
+    GCacheError,
+    ProtocolError,
+    Refusal,
+    SendTimeout,
+)
 from gcache.server.core import DataPlaneCore
+from gcache.server.tiered import ReadBudget, TieredReadReply
+from gcache.server.tiers import TierState
 from gcache.startup import OneLineParser, install_uvloop, listen_tcp, run_main, setup_logging
 from gcache.storage.segment import Segment
 from gcache.transport.limits import (
@@ -84,17 +94,24 @@ class StorageServer:
         self.fatal: GCacheError | None = None  # why the control loop gave up
         self.registrations = 0
         self.heartbeat_failures = 0
+        # Issue 10: manifest, NVMe tier, demotions, epoch (gcache/server/tiers.py).
+        self.tiers: TierState | None = None
+        self.read_budget = ReadBudget(256 << 20)  # NVMe reply bytes read ahead
+        self.read_pool = concurrent.futures.ThreadPoolExecutor(4, "nvme-read")
 
     # ---- data plane --------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
-        """Connection counters of the data plane (the core keeps its own)."""
+    def stats(self) -> dict[str, int | float]:
+        """Connection counters of the data plane (the core keeps its own), and the
+        tiers' (manifest, NVMe, demotions, epoch)."""
         return {
             **self.limiter.stats(),
             "protocol_errors": self.protocol_errors,
             **self.bad_frame_log.stats("bad_frames"),
             **self.refused_log.stats("refused_connections"),
             **self.request_log.stats("refused_requests"),
+            **(self.tiers.stats() if self.tiers is not None else {}),
+            "nvme_read_budget_waits": self.read_budget.waits,
         }
 
     async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
@@ -146,6 +163,20 @@ class StorageServer:
                     # large reply takes its time to go out; its views are made a
                     # batch at a time as the socket takes them.
                     msg = None
+                    if isinstance(reply, TieredReadReply) and reply.nvme_bytes:
+                        if not await self._load_nvme(reply, stream, head.req_id):
+                            continue
+                        try:
+                            await stream.send_msg_batches(
+                                wire.ReadData(reply.total),
+                                head.req_id,
+                                reply.batches(),
+                                reply.total,
+                            )
+                        finally:
+                            await self.read_budget.release(reply.nvme_bytes)
+                        del reply
+                        continue
                     await stream.send_msg_batches(
                         wire.ReadData(reply.total), head.req_id, reply.batches(), reply.total
                     )
@@ -183,6 +214,23 @@ class StorageServer:
             stream.close()
             if conn is not None:
                 self.limiter.release(conn)
+
+    async def _load_nvme(self, reply: TieredReadReply, stream: FrameStream, req_id: int) -> bool:
+        """Read a reply's NVMe bytes on a worker thread, within the read-ahead budget
+        (a READ waits for room: backpressure). False (answered with an error, budget
+        released) when the disk read failed."""
+        await self.read_budget.acquire(reply.nvme_bytes)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.read_pool, reply.load)
+        except OSError as exc:
+            await self.read_budget.release(reply.nvme_bytes)
+            self.request_log.log(time.monotonic(), "NVMe read failed: %s", exc)
+            await stream.send_msg(wire.Error(E_INTERNAL, f"NVMe read failed: {exc}"), req_id)
+            return False
+        except BaseException:
+            await self.read_budget.release(reply.nvme_bytes)
+            raise
+        return True
 
     async def accept_loop(self) -> None:
         """Accept, admit through the connection limits (an excess connection gets
@@ -248,12 +296,18 @@ class StorageServer:
             secret=self.secret,
             incarnation=self.incarnation,
         )
+        if self.tiers is not None:
+            self.tiers.fill_registration(req)
         delay = 0.1
         while not self._stopping.is_set():
             try:
                 reply = await stub.RegisterServer(req, timeout=5.0)
                 self.registrations += 1
                 log.info("registered with meta %s as %s", self.cfg.meta, self.server_id)
+                if self.tiers is not None:
+                    assert self.core is not None
+                    self.core.epoch = reply.epoch  # older metas' grants are refused now
+                    await self.tiers.report(stub, self.server_id, self.incarnation, reply.epoch)
                 return float(reply.heartbeat_interval_s) or self.cfg.heartbeat_interval_s
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _REFUSED:
@@ -291,16 +345,18 @@ class StorageServer:
                     return
                 except TimeoutError:
                     pass
+                beat = pb.HeartbeatRequest(
+                    server_id=self.server_id,
+                    incarnation=self.incarnation,
+                    counters=self._counters(),
+                )
+                if self.tiers is not None:
+                    self.tiers.fill_heartbeat(beat)
                 try:
-                    reply = await stub.Heartbeat(
-                        pb.HeartbeatRequest(
-                            server_id=self.server_id,
-                            incarnation=self.incarnation,
-                            counters=self._counters(),
-                        ),
-                        timeout=max(interval, 1.0),
-                    )
+                    reply = await stub.Heartbeat(beat, timeout=max(interval, 1.0))
                 except grpc.aio.AioRpcError as exc:
+                    if self.tiers is not None:
+                        self.tiers.unsent(beat)  # reported again in the next heartbeat
                     self.heartbeat_failures += 1
                     if not failing:  # one line per outage, not one per beat
                         log.warning("heartbeat to meta %s failed: %s", self.cfg.meta, exc.details())
@@ -312,6 +368,8 @@ class StorageServer:
                 assert self.core is not None
                 for r in reply.free:
                     self.core.free(r.offset, r.length)
+                if self.tiers is not None:
+                    self.tiers.apply(reply)  # free -> adopt, drop_nvme, demote
                 if reply.reregister:
                     log.warning("meta does not know this server; registering again")
                     await self.register(stub)
@@ -324,11 +382,10 @@ class StorageServer:
         self.port = self.listener.getsockname()[1]
         if not self.server_id:
             self.server_id = f"{socket.gethostname()}:{self.port}"
-        for name in Segment.remove_stale(cfg.shm_dir, self.server_id):
-            log.warning("removed stale segment file %s of a dead process", name)
         path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
-        self.segment = Segment(path, cfg.capacity_bytes, populate=cfg.populate, reserve=cfg.reserve)
-        self.core = DataPlaneCore(self.segment, self.secret)
+        self.tiers = TierState.start(cfg, self.server_id, path)
+        self.segment = self.tiers.segment
+        self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
         log.info(
             "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
             self.server_id,
@@ -363,7 +420,8 @@ class StorageServer:
             for t in [*tasks, *self.connections]:
                 t.cancel()
             await asyncio.gather(*tasks, *self.connections, return_exceptions=True)
-            self.segment.close()
+            self.read_pool.shutdown(wait=True)
+            self.tiers.close()  # keeps the segment and its manifest for the next start
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,337 @@
+"""What a ``gcache-server`` keeps across restarts, and its NVMe tier's control side
+(issue 10).
+
+* At start (:meth:`TierState.start`): re-adopt the segment file a dead process of
+  the same server id left for the same meta (renamed to this process's name), replay
+  its manifest and keep the records whose bytes still hash to their digest (else DRAM
+  starts empty), open and scan the NVMe tier (records failing their CRC or payload
+  hash are dropped), and measure the DRAM and NVMe bandwidths the meta uses.
+* On registration: the registration carries the tier's size and bandwidths and the
+  count of objects held; :meth:`report` then streams every record
+  (``ReportObjects``, chunks of :data:`REPORT_CHUNK`, ``last`` on the final one).
+* Each heartbeat reply: ``free`` then ``adopt`` go to the manifest; ``drop_nvme``
+  and ``demote`` run, in that order, on one worker thread (disk I/O never blocks
+  the data plane); a demotion batch ends with one ``fdatasync`` and its results are
+  reported in the next heartbeat (``demoted``; the meta frees the DRAM range only
+  then). Objects the tier evicted by itself go out as ``nvme_lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import grpc
+import numpy as np
+
+from gcache._proto import gcache_pb2 as pb
+from gcache.config import ServerConfig
+from gcache.errors import GCacheError
+from gcache.storage import nvme as nvmemod
+from gcache.storage.manifest import Manifest, StoredRecord, read_owner
+from gcache.storage.nvme import NvmeTier
+from gcache.storage.segment import Segment, manifest_path
+
+log = logging.getLogger("gcache.server")
+
+REPORT_CHUNK: Final = 2048
+MAX_PENDING_REPORTS: Final = 1 << 16  # demotion results / lost objects not yet sent
+
+
+def _record(o: pb.StoredObject) -> StoredRecord:
+    return StoredRecord(
+        namespace=o.namespace,
+        key=o.key,
+        parent=o.parent,
+        pos=o.pos,
+        group=o.group,
+        tier=o.tier,
+        offset=o.offset,
+        length=o.length,
+        sums=o.sums,
+        seq=o.seq,
+    )
+
+
+def _proto(r: StoredRecord) -> pb.StoredObject:
+    return pb.StoredObject(
+        namespace=r.namespace,
+        key=r.key,
+        parent=r.parent,
+        pos=r.pos,
+        group=r.group,
+        tier=r.tier,
+        offset=r.offset,
+        length=r.length,
+        sums=r.sums,
+        seq=r.seq,
+    )
+
+
+def dram_gbps(view: memoryview, nbytes: int = 64 << 20) -> float:
+    """Read bandwidth of the segment: one timed copy of up to ``nbytes``."""
+    n = min(nbytes, len(view))
+    if n <= 0:
+        return 0.0
+    src = np.frombuffer(view[:n], np.uint8)
+    dst = np.empty(n, np.uint8)
+    np.copyto(dst, src)  # warm
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return n / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
+class TierState:
+    def __init__(self, segment: Segment, manifest: Manifest, nvme: NvmeTier | None) -> None:
+        self.segment = segment
+        self.manifest = manifest
+        self.nvme = nvme
+        self.readopted = 0  # DRAM objects kept at start
+        self.dram_gbps = 0.0
+        self.nvme_read_gbps = self.nvme_write_gbps = 0.0
+        self.epoch = 0
+        self.demoted: list[pb.Demoted] = []
+        self.demotions = self.demote_failures = self.adopted = 0
+        self.reports = self.report_failures = 0
+        self.reports_dropped = 0  # results past MAX_PENDING_REPORTS (meta times them out)
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "nvme-write")
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- start -------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, cfg: ServerConfig, server_id: str, path: str) -> TierState:
+        owner = f"{server_id}@{cfg.meta}"
+        old = None
+        if cfg.reuse_segment:
+            old = Segment.adoptable(cfg.shm_dir, server_id, owner, read_owner)
+            if old is not None:
+                try:
+                    os.replace(old, path)
+                    os.replace(manifest_path(old), manifest_path(path))
+                except OSError as exc:
+                    log.warning("cannot re-adopt segment file %s: %s", old, exc)
+                    old = None
+        for name in Segment.remove_stale(cfg.shm_dir, server_id, owner, read_owner):
+            log.warning("removed stale segment file %s of a dead process", name)
+        segment = Segment(
+            path,
+            cfg.capacity_bytes,
+            populate=cfg.populate,
+            reserve=cfg.reserve,
+            reuse=old is not None,
+        )
+        manifest = Manifest(manifest_path(path), owner)
+        nvme: NvmeTier | None = None
+        try:
+            manifest.load()
+            readopted = manifest.verify(segment.view if segment.reused else None)
+            if segment.reused:
+                log.info(
+                    "re-adopted segment %s: %d objects intact, %d dropped (%d bad log frames)",
+                    path,
+                    readopted,
+                    manifest.dropped,
+                    manifest.bad_frames,
+                )
+            size = cfg.nvme_size_bytes
+            if size:
+                nvme = NvmeTier(cfg.nvme_path, size, direct=cfg.nvme_direct)
+                recs = nvme.scan()
+                log.info(
+                    "NVMe tier %s: %d bytes in %d regions of %d bytes, %d objects "
+                    "(%d bad records dropped) scanned in %.2f s%s",
+                    cfg.nvme_path,
+                    nvme.capacity,
+                    len(nvme.regions),
+                    nvme.region_size,
+                    len(recs),
+                    nvme.scan_bad_payloads + nvme.scan_bad_headers,
+                    nvme.scan_s,
+                    "" if nvme.direct else " (buffered: O_DIRECT refused)",
+                )
+        except BaseException:
+            if nvme is not None:
+                nvme.close()
+            manifest.close()
+            segment.close(keep=True)
+            raise
+        state = cls(segment, manifest, nvme)
+        state.readopted = readopted
+        state.dram_gbps = dram_gbps(segment.view)
+        if nvme is not None:
+            try:
+                state.nvme_write_gbps, state.nvme_read_gbps = nvmemod.measure(cfg.nvme_path)
+            except OSError as exc:
+                log.warning("cannot measure the NVMe bandwidth in %s: %s", cfg.nvme_path, exc)
+        return state
+
+    # ---- registration --------------------------------------------------------------
+
+    def records(self) -> list[StoredRecord]:
+        out = list(self.manifest)
+        if self.nvme is not None:
+            out.extend(list(self.nvme.records()))
+        return out
+
+    def fill_registration(self, req: pb.RegisterServerRequest) -> None:
+        req.nvme_capacity = self.nvme.capacity if self.nvme is not None else 0
+        req.dram_read_gbps = self.dram_gbps
+        req.nvme_read_gbps = self.nvme_read_gbps
+        req.nvme_write_gbps = self.nvme_write_gbps
+        req.objects = len(self.records())
+
+    async def report(self, stub: Any, server_id: str, incarnation: int, epoch: int) -> None:
+        """Stream the manifest (DRAM and NVMe) to the meta after a registration."""
+        self.epoch = epoch
+        recs = self.records()
+
+        async def chunks() -> AsyncIterator[pb.ReportObjectsRequest]:
+            for i in range(0, max(len(recs), 1), REPORT_CHUNK):
+                part = recs[i : i + REPORT_CHUNK]
+                yield pb.ReportObjectsRequest(
+                    server_id=server_id,
+                    incarnation=incarnation,
+                    epoch=epoch,
+                    objects=[_proto(r) for r in part],
+                    last=i + REPORT_CHUNK >= len(recs),
+                )
+
+        try:
+            reply = await stub.ReportObjects(chunks(), timeout=60.0)
+        except grpc.aio.AioRpcError as exc:
+            self.report_failures += 1
+            log.warning("reporting %d objects to the meta failed: %s", len(recs), exc.details())
+            return
+        self.reports += 1
+        log.info(
+            "reported %d objects to the meta (epoch %d): %d adopted, %d dropped",
+            len(recs),
+            epoch,
+            reply.adopted,
+            reply.dropped,
+        )
+
+    # ---- heartbeats ----------------------------------------------------------------
+
+    def fill_heartbeat(self, beat: pb.HeartbeatRequest) -> None:
+        beat.epoch = self.epoch
+        if self.nvme is None:
+            return
+        beat.nvme_used = self.nvme.used
+        done, self.demoted = self.demoted, []
+        beat.demoted.extend(done)
+        beat.nvme_lost.extend(pb.Range(offset=a, length=n) for a, n in self.nvme.take_lost())
+
+    def unsent(self, beat: pb.HeartbeatRequest) -> None:
+        """A heartbeat that failed: its reports go out with the next one."""
+        if self.nvme is None:
+            return
+        self.demoted[:0] = list(beat.demoted)
+        self.nvme.lost[:0] = [(r.offset, r.length) for r in beat.nvme_lost]
+
+    def apply(self, reply: pb.HeartbeatReply) -> None:
+        frees = [(r.offset, r.length) for r in reply.free]
+        adopt = [_record(o) for o in reply.adopt]
+        if frees or adopt:
+            try:
+                self.adopted += self.manifest.apply(frees, adopt, self.segment.view)
+            except GCacheError as exc:
+                log.warning("%s", exc)
+        if self.nvme is None:
+            for cmd in reply.demote:
+                o = cmd.object
+                self._done(
+                    [pb.Demoted(dram_offset=o.offset, length=o.length, ok=False, error="no NVMe")]
+                )
+            return
+        drops = [(r.offset, r.length) for r in reply.drop_nvme]
+        cmds = [_record(c.object) for c in reply.demote]
+        if drops or cmds:
+            self._loop = asyncio.get_running_loop()
+            fut = self._writer.submit(self._tier_work, drops, cmds)
+            fut.add_done_callback(self._finished)
+
+    def _finished(self, fut: concurrent.futures.Future[list[pb.Demoted]]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            done = fut.result()
+        except BaseException as exc:  # a bug in the worker: report, never hang
+            log.error("NVMe worker failed: %s", exc)
+            return
+        loop.call_soon_threadsafe(self._done, done)
+
+    def _done(self, done: list[pb.Demoted]) -> None:
+        room = MAX_PENDING_REPORTS - len(self.demoted)
+        self.demoted.extend(done[: max(room, 0)])
+        self.reports_dropped += max(len(done) - max(room, 0), 0)
+
+    def _tier_work(
+        self, drops: list[tuple[int, int]], cmds: list[StoredRecord]
+    ) -> list[pb.Demoted]:
+        """Worker thread: delete, then copy each DRAM object to NVMe; one sync."""
+        nvme = self.nvme
+        assert nvme is not None
+        for addr, length in drops:
+            try:
+                nvme.drop(addr, length)
+            except OSError as exc:
+                log.warning("NVMe drop of %d failed: %s", addr, exc)
+        out: list[pb.Demoted] = []
+        seg = self.segment
+        for rec in cmds:
+            dram, length = rec.offset, rec.length
+            res = pb.Demoted(dram_offset=dram, length=length)
+            if not seg.in_bounds(dram, length) or length <= 0:
+                res.error = "range outside the segment"
+            else:
+                try:
+                    res.nvme_offset = nvme.append(rec, seg.view[dram : dram + length])
+                    res.ok = True
+                except (GCacheError, OSError) as exc:
+                    res.error = str(exc)
+            out.append(res)
+        try:
+            nvme.sync()
+        except OSError as exc:
+            for r in out:
+                r.ok, r.error = False, f"fdatasync failed: {exc}"
+        self.demotions += sum(1 for r in out if r.ok)
+        self.demote_failures += sum(1 for r in out if not r.ok)
+        return out
+
+    # ---- end -----------------------------------------------------------------------
+
+    def close(self, keep: bool = True) -> None:
+        self._writer.shutdown(wait=True)
+        if self.nvme is not None:
+            self.nvme.close()
+        self.manifest.close()
+        self.segment.close(keep=keep)
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            "readopted_objects": self.readopted,
+            "manifest_records": len(self.manifest),
+            "manifest_bad_frames": self.manifest.bad_frames,
+            "manifest_dropped": self.manifest.dropped,
+            "adopted": self.adopted,
+            "epoch": self.epoch,
+            "demotions": self.demotions,
+            "demote_failures": self.demote_failures,
+            "reports": self.reports,
+            "report_failures": self.report_failures,
+            "dram_read_gbps": self.dram_gbps,
+            "nvme_read_gbps": self.nvme_read_gbps,
+            "nvme_write_gbps": self.nvme_write_gbps,
+        }
+        if self.nvme is not None:
+            out.update(self.nvme.stats())
+        return out
