@@ -134,9 +134,6 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             self.refused_duplicate_id += 1
             log.warning("refused RegisterServer from %s:%d: %s", addr.host, addr.port, conflict)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
-        # A server of issue 10 (it measures its tiers, has one, or reports what it
-        # holds) checks the epoch in grants; older ones get epoch-0 grants.
-        issue10 = bool(request.dram_read_gbps or request.nvme_capacity or request.objects)
         srv = self.core.register_server(
             addr,
             bytes(request.secret),
@@ -147,7 +144,6 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             nvme_read_gbps=request.nvme_read_gbps,
             nvme_write_gbps=request.nvme_write_gbps,
             report=request.objects > 0,
-            epoch_grants=issue10,
         )
         log.info(
             "server %s registered at %s:%d (%d bytes DRAM, %d bytes NVMe%s)",
@@ -228,6 +224,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             time.monotonic(),
             demoted,
             request.nvme_used,
+            [(r.offset, r.length) for r in request.nvme_lost],
         )
         if out.failed:
             log.warning(

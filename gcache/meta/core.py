@@ -79,6 +79,7 @@ COUNTERS = (
     "demoted_bytes",
     "dropped_not_demoted",
     "nvme_evictions",
+    "nvme_lost",
     "adopt_overflow",
     "objects_adopted",
     "objects_parked",
@@ -154,11 +155,9 @@ class MetaCore(Rebuild):
         nvme_read_gbps: float = 0.0,
         nvme_write_gbps: float = 0.0,
         report: bool = False,
-        epoch_grants: bool = True,
     ) -> ServerRecord:
         """Add (or refresh) a server. ``report``: it holds objects it will report
-        (``report_objects``); nothing is placed on it until the report is complete.
-        ``epoch_grants``: its grants carry this meta's epoch."""
+        (``report_objects``); nothing is placed on it until the report is complete."""
         old = self.servers.get(addr.server_id)
         if old is not None and old.incarnation == incarnation and old.alive:
             old.last_seen = now
@@ -170,7 +169,7 @@ class MetaCore(Rebuild):
         rec.dram_read_gbps = addr.dram_read_gbps
         rec.nvme_read_gbps = nvme_read_gbps or addr.nvme_read_gbps
         rec.nvme_write_gbps = nvme_write_gbps
-        rec.grant_epoch = self.epoch if epoch_grants else 0
+        rec.grant_epoch = self.epoch
         self.servers[addr.server_id] = rec
         if report:
             self.begin_report(rec)

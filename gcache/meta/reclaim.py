@@ -91,6 +91,7 @@ class IndexStore:
                 entry.parent.hot += 1
         if obj.tier:
             srv.nvme_bytes += obj.length
+            srv.nvme_objects[obj.offset] = (obj, ns)
 
     def _record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
         """Queue a committed DRAM object for its server's manifest (the next
@@ -238,6 +239,9 @@ class IndexStore:
                     self._leaf_now(parent, ns)
         if obj.tier:
             srv.nvme_bytes -= obj.length
+            got = srv.nvme_objects.get(obj.offset)
+            if got is not None and got[0] is obj:
+                del srv.nvme_objects[obj.offset]
         srv.objects -= 1
         obj.unlink()
         size = obj.length

@@ -180,6 +180,7 @@ class ServerRecord:
         "last_seen",
         "nvme_bytes",
         "nvme_capacity",
+        "nvme_objects",
         "nvme_read_gbps",
         "nvme_used_reported",
         "nvme_write_gbps",
@@ -229,6 +230,8 @@ class ServerRecord:
         self.nvme_read_gbps = 0.0
         self.nvme_write_gbps = 0.0
         self.nvme_bytes = 0  # NVMe objects in the index plus demotions in flight
+        # NVMe address -> (object, namespace): for objects the server reports lost.
+        self.nvme_objects: dict[int, tuple[ObjectRecord, NamespaceRecord]] = {}
         self.nvme_used_reported = 0  # what the server says its tier holds
         # While the server's report is not complete: its reported DRAM objects by
         # offset (the allocator is built from them at the end); None once complete.
@@ -237,7 +240,7 @@ class ServerRecord:
         # Reported objects waiting for their namespace or parent (rebuild.Parked),
         # DRAM ones by offset: their ranges stay allocated.
         self.parked: dict[int, Parked] = {}
-        # Grants for this server carry the meta's epoch (servers that check it).
+        # The epoch this server's grants carry: the meta's (MetaCore.register_server).
         self.grant_epoch = 0
         # Outboxes of the next heartbeat reply (bounded, see tiers.py):
         self.adopt_out: list[tuple[ObjectRecord, NamespaceRecord]] = []  # record these

@@ -37,7 +37,14 @@ from gcache.meta.eviction import (
     compute_for_layout,
 )
 from gcache.meta.leases import Leases
-from gcache.meta.records import EVICTED, LIVE, NamespaceRecord, ObjectRecord, ServerRecord
+from gcache.meta.records import (
+    EVICTED,
+    GONE,
+    LIVE,
+    NamespaceRecord,
+    ObjectRecord,
+    ServerRecord,
+)
 
 # Assumed NVMe read bandwidth of a server that reported none (GB/s).
 DEFAULT_NVME_READ_GBPS = 2.0
@@ -229,6 +236,33 @@ class Tiers(Leases):
         c["demoted_bytes"] += length
         return None
 
+    def nvme_lost(self, srv: ServerRecord, ranges: list[tuple[int, int]]) -> int:
+        """The server dropped these NVMe objects by itself (a region evicted whole):
+        forget them without asking it to delete anything (their addresses may hold
+        new objects already). Returns the objects forgotten."""
+        n = 0
+        hit: list[tuple[NamespaceRecord, ObjectRecord]] = []
+        for off, length in ranges:  # first forget every lost one...
+            got = srv.nvme_objects.get(off)
+            if got is None or got[0].length != length or got[0].state != LIVE:
+                continue
+            obj, ns = got
+            self._unlink(ns, obj.entry, obj.group)
+            obj.state = GONE  # nothing to free: the server has deleted it
+            self._pol(obj).evicted(obj, ns)
+            hit.append((ns, obj))
+            n += 1
+        for ns, obj in hit:  # ...then what a lost full object leaves useless
+            entry = obj.entry
+            if obj.group == ns.full_group:
+                for g, o in enumerate(entry.objects):
+                    if o is not None:
+                        self._evict_object(ns, entry, g)
+            if entry.children == 0 and not any(entry.objects):
+                self._prune(ns, entry)
+        self.counters["nvme_lost"] += n
+        return n
+
     def _count_in(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
         """Count a newly linked object in the store-wide totals."""
         self.live_objects += 1
@@ -247,6 +281,7 @@ class Tiers(Leases):
         now: float,
         demoted: list[Demotion] | None = None,
         nvme_used: int = 0,
+        nvme_lost: list[tuple[int, int]] | None = None,
     ) -> HeartbeatOut:
         """A server's heartbeat: apply its finished demotions, then answer with
         what it must do (bounded per reply; the rest waits for the next one)."""
@@ -258,6 +293,8 @@ class Tiers(Leases):
         srv.counters = counters
         srv.nvme_used_reported = nvme_used
         out = HeartbeatOut()
+        if nvme_lost:
+            self.nvme_lost(srv, nvme_lost)
         for d in demoted or ():
             err = self.demoted(srv, d, now)
             if err is not None:

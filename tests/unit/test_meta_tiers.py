@@ -227,6 +227,24 @@ def test_evicted_while_demoting_deletes_the_copy() -> None:
     assert (obj.offset, obj.length) in heartbeat(core, "s0", 23).free + out.free
 
 
+def test_nvme_objects_the_server_lost_are_forgotten_not_deleted() -> None:
+    core, fp = make()
+    tier = FakeTier()
+    for p in range(12):
+        put(core, fp, toks(p), float(p))
+    tier.run(core, "s0", 20.0)
+    tier.run(core, "s0", 21.0)
+    lost = [(o.offset, o.length) for o in tier_objects(core, fp, 1)]
+    assert lost
+    out = core.tier_heartbeat("s0", 1, {}, 22.0, None, 0, lost)
+    assert core.counters["nvme_lost"] == len(lost)
+    assert not tier_objects(core, fp, 1)
+    assert core.servers["s0"].nvme_bytes == sum(
+        o.length for o, _ in core.servers["s0"].demoting.values()
+    )
+    assert not set(lost) & set(out.drop_nvme + heartbeat(core, "s0", 23.0).drop_nvme)
+
+
 # ---- rebuild from reports ---------------------------------------------------------------
 
 
