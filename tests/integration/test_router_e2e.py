@@ -8,10 +8,15 @@ requests to the instance it chooses.
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -191,3 +196,48 @@ def test_engine_refuses_bad_requests_with_one_line(
     assert err.value.code == 400
     message = json.loads(err.value.read())["error"]["message"]
     assert reason in message and "\n" not in message
+
+
+def test_gcache_up_router_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    """``gcache up --router --engines 2`` as an operator runs it: up, one request
+    through the router's proxy, then SIGTERM stops every process with exit code 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gcache.cli.main", "up", "--data-dir", str(tmp_path),
+         "--meta-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--server-port", "0",
+         "--servers", "1", "--capacity", "64MiB", "--router", "--engines", "2",
+         "--router-port", "0", "--router-http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    rest = ""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "serving; Ctrl-C to stop" in line:
+                break
+        text = "".join(lines)
+        assert "serving; Ctrl-C to stop" in text, text
+        found = re.search(r"router HTTP\s+(http://\S+)", text)
+        assert found is not None, text
+        out, headers = post(
+            found.group(1) + "/v1/completions", {"prompt": "hello router", "max_tokens": 4}
+        )
+        assert headers["x-gcache-instance"] in ("engine0", "engine1")
+        assert out["gcache"]["instance"] == headers["x-gcache-instance"]
+        assert out["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert proc.returncode == 0, rest
+    assert "stopped: engine0=0, engine1=0, router=0, server0=0, meta=0" in rest, rest
