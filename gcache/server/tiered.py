@@ -41,32 +41,29 @@ class TieredReadReply:
         self._tiers = tiers
         self.total = total
         self.nvme_bytes = sum(n for n, t in zip(lengths, tiers, strict=True) if t)
-        self._buf: bytearray | None = None
+        self._buf: list[memoryview] | None = None
 
     def __len__(self) -> int:
         return len(self._offsets)
 
     def load(self) -> None:
-        """Read every tier-1 range from the NVMe files (blocking: a worker thread)."""
-        buf = bytearray(self.nvme_bytes)
-        view = memoryview(buf)
-        pos = 0
-        for off, n, t in zip(self._offsets, self._lengths, self._tiers, strict=True):
-            if t:
-                self._tier.read_into(off, view[pos : pos + n])
-                pos += n
-        self._buf = buf
+        """Read every tier-1 range from the NVMe files into one page-aligned buffer
+        (``O_DIRECT`` where the file system takes it; blocking: a worker thread)."""
+        ranges = [
+            (off, n)
+            for off, n, t in zip(self._offsets, self._lengths, self._tiers, strict=True)
+            if t
+        ]
+        self._buf = self._tier.read_many(ranges)
 
     def batches(self, size: int = READ_BATCH) -> Iterator[list[memoryview]]:
         assert self._buf is not None or not self.nvme_bytes, "load() first"
         seg = self._seg
-        buf = memoryview(self._buf) if self._buf is not None else memoryview(b"")
-        pos = 0
+        disk = iter(self._buf or [])
         out: list[memoryview] = []
         for off, n, t in zip(self._offsets, self._lengths, self._tiers, strict=True):
             if t:
-                out.append(buf[pos : pos + n])
-                pos += n
+                out.append(next(disk))
             else:
                 out.append(seg[off : off + n])
             if len(out) >= size:
