@@ -5,6 +5,16 @@ The spec is the only description of where bytes lie. A block has at most one
 window). Inside an object the group's layers follow in model order, each as the
 block's K (``[block_size, kv_heads, k_head_dim]``) then V
 (``[block_size, kv_heads, v_head_dim]``), row-major, in the spec's dtype.
+
+Windows: a sliding layer of window ``W`` lets a token see itself and the ``W - 1``
+tokens before it (the convention of transformers and vLLM). A match ending at
+block ``P`` therefore needs the windowed rows ``[P * block_size - (W - 1),
+P * block_size)``, which lie in the ``tail = ceil((W - 1) / block_size)`` blocks
+before ``P``. Any ``W >= 1`` works with any block size: when ``block_size`` does
+not divide ``W - 1`` the window is stored rounded up to whole blocks
+(``window_rows`` rows, up to ``block_size - 1`` more than an engine's own
+sliding cache keeps), so a connector must keep those extra rows until it stores
+them.
 """
 
 from __future__ import annotations
@@ -124,6 +134,24 @@ class Layout:
     def num_groups(self) -> int:
         return len(self.group_windows)
 
+    @property
+    def max_tail(self) -> int:
+        """The longest windowed tail in blocks (0 without sliding layers)."""
+        return max((t for t in self.group_tail_blocks if t is not None), default=0)
+
+    def window_rows(self, group: int) -> int | None:
+        """Rows a window of ``group`` is stored with: ``tail * block_size``, which
+        is ``>= W - 1`` (the rows a match needs) and less than ``W - 1 +
+        block_size``; ``None`` for a full group (every row)."""
+        tail = self.group_tail_blocks[group]
+        return None if tail is None else tail * self.block_size
+
+    def window_blocks(self, group: int, end: int) -> range:
+        """Blocks whose ``group`` object a match ending at block ``end`` needs (every
+        block before it for a full group)."""
+        tail = self.group_tail_blocks[group]
+        return range(0 if tail is None else max(0, end - tail), end)
+
     def groups_to_store(self, nblocks: int) -> list[int]:
         """Strict O(W): bitmask of groups to store for each block of a P-block prefix."""
         masks = [0] * nblocks
@@ -135,7 +163,14 @@ class Layout:
         return masks
 
     def checkpoint_positions(
-        self, nblocks: int, branch: int, first: int, interval: int, dense: bool
+        self,
+        nblocks: int,
+        branch: int,
+        first: int,
+        interval: int,
+        dense: bool,
+        *,
+        last: bool = False,
     ) -> list[int]:
         """The checkpoint rule: block positions inside a prompt of ``nblocks`` blocks
         where an extra window is worth saving, given that its first ``branch``
@@ -148,22 +183,29 @@ class Layout:
           re-sends the prompt with its ending changed (chat template, a partial
           last block), so it shares a prefix that stops shortly before the end;
         * with ``dense`` (free space nothing would be evicted for), every multiple
-          of ``interval`` between the two."""
-        if interval <= 0 or nblocks <= 0:
-            return []
-        tail = max((t for t in self.group_tail_blocks if t is not None), default=0)
-        if not tail:
+          of ``interval`` between the two;
+        * with ``last``, ``nblocks - 1``, the last block boundary before the end:
+          the same prompt sent again (a retry, a regenerated answer) must compute
+          at least its last token, so when it ends on a block boundary its match
+          ends one block early, where only this window lets it resume.
+
+        ``interval <= 0`` turns the first three off (``last`` stays)."""
+        tail = self.max_tail
+        if nblocks <= 0 or not tail:
             return []
         lo = max(first, 0) + tail
         out: list[int] = []
-        if lo <= branch < nblocks:
-            out.append(branch)
-        last = nblocks // interval * interval
-        if dense:
-            step = max(lo, branch + 1)
-            out.extend(range(-(-step // interval) * interval, last, interval))
-        if lo <= last < nblocks and last != branch:
-            out.append(last)
+        if interval > 0:
+            if lo <= branch < nblocks:
+                out.append(branch)
+            at = nblocks // interval * interval
+            if dense:
+                step = max(lo, branch + 1)
+                out.extend(range(-(-step // interval) * interval, at, interval))
+            if lo <= at < nblocks and at != branch:
+                out.append(at)
+        if last and lo <= nblocks - 1 and nblocks - 1 not in out:
+            out.append(nblocks - 1)
         return out
 
     def add_windows(self, masks: list[int], positions: list[int]) -> list[int]:

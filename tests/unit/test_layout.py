@@ -417,3 +417,121 @@ def test_encode_decode_round_trip(spec: LayoutSpec) -> None:
 def test_decode_spec_rejects_garbage(raw: bytes) -> None:
     with pytest.raises(LayoutError):
         decode_spec(raw)
+
+
+# ---- any window with any block size (rounded up to whole blocks) -------------------
+
+
+def _one_window(window: int, block_size: int) -> Layout:
+    layers = (LayerSpec("full", 1, 2, 2), LayerSpec("swa", 1, 2, 2, window))
+    return Layout(LayoutSpec(block_size=block_size, dtype="float16", layers=layers))
+
+
+@settings(max_examples=400, deadline=None)
+@given(window=st.integers(1, 5000), block_size=st.integers(1, 512), end=st.integers(0, 60))
+def test_any_window_any_block_size_against_brute_force(
+    window: int, block_size: int, end: int
+) -> None:
+    """The blocks a match ending at block ``end`` needs are exactly the blocks that
+    hold a row its first computed token can see (itself and the W - 1 rows before
+    it), found here row by row; the stored window is those blocks, rounded up to
+    whole blocks, never short of W - 1 rows and never a whole block too long."""
+    lay = _one_window(window, block_size)
+    p = end * block_size  # the first token the engine computes
+    seen = range(max(0, p - (window - 1)), p)
+    assert sorted({r // block_size for r in seen}) == list(lay.window_blocks(1, end))
+    rows = lay.window_rows(1)
+    assert rows is not None and rows >= window - 1
+    assert rows - block_size < window - 1 or rows == 0
+    assert lay.window_rows(0) is None
+    assert lay.window_blocks(0, end) == range(end)
+    assert (
+        lay.stored_bytes(end)
+        == end * lay.group_object_bytes[0]
+        + min(end, rows // block_size) * lay.group_object_bytes[1]
+    )
+
+
+def test_engine_windows_that_block_size_does_not_divide() -> None:
+    # vLLM on CPU: 128-token blocks, window 128 -> one block (127 rows needed).
+    assert _one_window(128, 128).group_tail_blocks == [None, 1]
+    # window 128 with 64-token blocks: 127 rows -> 2 blocks, 128 rows stored.
+    assert _one_window(128, 64).window_rows(1) == 128
+    # window 4096 (Gemma/Mistral-like) with 16-token blocks: 4095 rows -> 256 blocks.
+    assert _one_window(4096, 16).group_tail_blocks == [None, 256]
+    # window 1: a token sees only itself, no windowed rows at all.
+    assert _one_window(1, 64).group_tail_blocks == [None, 0]
+    assert _one_window(1, 64).valid_match(5, lambda j, g: False) == 5
+
+
+def brute_checkpoints(
+    tail: int, nblocks: int, branch: int, first: int, interval: int, dense: bool, last: bool
+) -> set[int]:
+    """The checkpoint rule as the docstring states it, position by position."""
+    out = set()
+    at = nblocks // interval * interval if interval > 0 else -1
+    for c in range(nblocks):
+        if c < max(first, 0) + tail:  # its window starts before the rows held
+            continue
+        if interval > 0 and (
+            c in (branch, at) or (dense and c % interval == 0 and branch < c < at)
+        ):
+            out.add(c)
+        if last and c == nblocks - 1:
+            out.add(c)
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    spec=windowed_layouts(),
+    nblocks=st.integers(0, 40),
+    branch=st.integers(0, 40),
+    first=st.integers(-1, 40),
+    interval=st.integers(0, 9),
+    dense=st.booleans(),
+    last=st.booleans(),
+)
+def test_checkpoint_positions_against_brute_force(
+    spec: LayoutSpec,
+    nblocks: int,
+    branch: int,
+    first: int,
+    interval: int,
+    dense: bool,
+    last: bool,
+) -> None:
+    lay = Layout(spec)
+    got = lay.checkpoint_positions(nblocks, branch, first, interval, dense, last=last)
+    assert len(got) == len(set(got))
+    tail = max((t for t in lay.group_tail_blocks if t is not None), default=0)
+    want = brute_checkpoints(tail, nblocks, branch, first, interval, dense, last) if tail else set()
+    assert set(got) == want
+    # Every position asked for is a point a later match can end at, once the put
+    # stores strict O(W) plus those windows.
+    masks = lay.add_windows(lay.groups_to_store(nblocks), got)
+    present = [[bool(m >> g & 1) for g in range(lay.num_groups)] for m in masks]
+    for c in [*got, nblocks]:
+        if c:
+            assert lay.valid_match(c, _has(lay, c, present)) == c
+
+
+@settings(max_examples=200, deadline=None)
+@given(window=st.integers(2, 600), block_size=st.integers(1, 128), nblocks=st.integers(1, 30))
+def test_same_prompt_twice_resumes_one_block_early(
+    window: int, block_size: int, nblocks: int
+) -> None:
+    """A block-aligned prompt sent again matches its tokens but the last one, so
+    ``nblocks - 1`` full blocks: with ``last`` that match is valid, without it
+    only when the end window already covers that point."""
+    lay = _one_window(window, block_size)
+    tail = lay.group_tail_blocks[1]
+    assert tail is not None
+    pos = lay.checkpoint_positions(nblocks, 0, 0, 0, False, last=True)
+    masks = lay.add_windows(lay.groups_to_store(nblocks), pos)
+    present = [[bool(m >> g & 1) for g in range(2)] for m in masks]
+    assert lay.valid_match(nblocks - 1, _has(lay, nblocks - 1, present)) == nblocks - 1
+    # What it costs: at most one windowed object more than strict O(W).
+    strict = lay.groups_to_store(nblocks)
+    extra = sum(bin(a).count("1") - bin(b).count("1") for a, b in zip(masks, strict, strict=True))
+    assert extra == (1 if nblocks > tail else 0)
