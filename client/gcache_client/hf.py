@@ -14,9 +14,14 @@ Two calls an engine loop needs, plus a ``prefill`` that wires them together:
   construction at the start of a forward needs layers 0 and the first sliding
   layer, so those two are waited for before any compute.
 * :meth:`TransformersConnector.prefill`: look up, load, run the model on the
-  remaining tokens in two chunks (up to the last block boundary, then the rest),
-  store at the boundary, return the logits. Any store failure during the load is a
-  miss: the prefill is recomputed from scratch, never run on wrong KV.
+  remaining tokens in one forward, and store. The windows to store (the one
+  ending at the last full block, and the checkpoint windows: the last interval
+  multiple and the last block boundary before the end) are copied out of the
+  sliding layers as the forward computes their rows (:class:`WindowCapture`), so
+  any window and block size works (a window is stored rounded up to whole blocks,
+  rows transformers itself drops), and the prefill is not split. Any load failure
+  during the forward is a miss: the prefill is recomputed from scratch, never run
+  on wrong KV; a store failure is logged and ignored.
 
 torch and transformers are imported by this module only.
 """
@@ -32,8 +37,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from gcache.config import MetaConfig
 from gcache.errors import GCacheError, LayoutError
-from gcache.layout import LayerSpec, LayoutSpec, validate
+from gcache.layout import LayerSpec, Layout, LayoutSpec, validate
 from gcache_client import arrays
 from gcache_client.sync import GCacheClient, SyncLayerStream
 from gcache_client.types import KVPair, Match, Namespace, PutResult
@@ -67,14 +73,9 @@ def layout_from_model(model: Any, block_size: int = 64) -> LayoutSpec:
         kv_heads = attn.k_proj.out_features // head_dim
         v_dim = attn.v_proj.out_features // kv_heads
         if layer_types[i] == "sliding_attention":
+            # Any window: the layout stores ceil((W-1)/block_size) blocks, which may
+            # be more rows than the W-1 transformers keeps (WindowCapture keeps them).
             window = int(config.sliding_window)
-            # transformers keeps window-1 rows for a sliding layer; strict O(W)
-            # stores ceil((W-1)/block_size) blocks, so they must coincide.
-            if (window - 1) % block_size:
-                raise LayoutError(
-                    f"block_size {block_size} must divide sliding_window - 1 = {window - 1} "
-                    "(transformers keeps exactly that many rows of a sliding layer)"
-                )
             layers.append(LayerSpec("swa", kv_heads, head_dim, v_dim, window=window))
         elif layer_types[i] == "full_attention":
             layers.append(LayerSpec("full", kv_heads, head_dim, v_dim))
@@ -100,33 +101,103 @@ def kv_from_cache(cache: Any) -> list[KVPair]:
     return out
 
 
+class WindowCapture:
+    """Copies of the sliding layers' rows that the windows ending at ``positions``
+    (block positions) are stored with, taken as a forward computes (or a load
+    brings) them. transformers keeps only ``W - 1`` rows of a sliding layer and
+    drops the rest during the forward, while a stored window is
+    ``Layout.window_rows`` rows (whole blocks) and may end anywhere inside the
+    chunk; so the rows are copied out on the way in, once each, and nothing else
+    is kept (O(W) per position)."""
+
+    def __init__(self, layout: Layout, positions: list[int]) -> None:
+        self.layout = layout
+        self.positions = sorted(set(positions))
+        bs = layout.block_size
+        # layer -> [(position, first row, end row)] for the sliding layers
+        self.ranges: dict[int, list[tuple[int, int, int]]] = {}
+        for layer in range(layout.num_layers):
+            g = layout.layer_group[layer]
+            if layout.group_tail_blocks[g] is None:
+                continue
+            spans = []
+            for c in self.positions:
+                blocks = layout.window_blocks(g, c)
+                spans.append((c, blocks.start * bs, blocks.stop * bs))
+            self.ranges[layer] = spans
+        self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._filled: dict[tuple[int, int], int] = {}
+
+    def wants(self, layer: int) -> bool:
+        return layer in self.ranges
+
+    def offer(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows ``[start, start + len(k))`` of ``layer``, token-major
+        (``[rows, kv_heads, head_dim]``, any strides)."""
+        n = k.shape[0]
+        for c, a, b in self.ranges.get(layer, ()):
+            lo, hi = max(a, start), min(b, start + n)
+            if lo >= hi:
+                continue
+            key = (c, layer)
+            bufs = self._rows.get(key)
+            if bufs is None:
+                bufs = self._rows[key] = (
+                    torch.empty((b - a, *k.shape[1:]), dtype=k.dtype),
+                    torch.empty((b - a, *v.shape[1:]), dtype=v.dtype),
+                )
+            bufs[0][lo - a : hi - a].copy_(k[lo - start : hi - start])
+            bufs[1][lo - a : hi - a].copy_(v[lo - start : hi - start])
+            self._filled[key] = self._filled.get(key, 0) + hi - lo
+
+    def complete(self, c: int) -> bool:
+        return all(
+            self._filled.get((c, layer), 0) == b - a
+            for layer, spans in self.ranges.items()
+            for c2, a, b in spans
+            if c2 == c
+        )
+
+    def window(self, c: int, layer: int) -> KVPair:
+        """The captured rows of the window ending at block ``c`` for ``layer``."""
+        return self._rows[(c, layer)]
+
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self._rows.values())
+
+
 class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
     """A ``DynamicCache`` whose first ``prefix_tokens`` come from GCache, layer by
-    layer, the first time the model touches each layer."""
+    layer, the first time the model touches each layer (none without a
+    ``stream``). With a :class:`WindowCapture`, the sliding layers' rows that
+    windows to store need are copied out as they arrive (loaded or computed)."""
 
     def __init__(
         self,
         config: Any,
-        stream: SyncLayerStream,
+        stream: SyncLayerStream | None,
         prefix_tokens: int,
         num_layers: int,
         dtype: torch.dtype,
         device: torch.device,
         layout_dtype: str,
+        capture: WindowCapture | None = None,
     ) -> None:
         super().__init__(config=config)
         self._gc_stream = stream
-        self._gc_next = 0
+        self._gc_next = 0 if stream is not None else num_layers
         self._gc_prefix = prefix_tokens
         self._gc_num = num_layers
         self._gc_dtype = dtype
         self._gc_device = device
         self._gc_layout_dtype = layout_dtype
+        self.gc_capture = capture
         self.gc_wait_s = 0.0  # time the forward pass spent waiting for bytes
 
     def _gc_ensure(self, layer_idx: int) -> None:
         top = min(layer_idx, self._gc_num - 1)
         while self._gc_next <= top:
+            assert self._gc_stream is not None
             t0 = time.perf_counter()
             try:
                 lkv = next(self._gc_stream)
@@ -139,6 +210,9 @@ class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
                     arrays.as_torch(k, self._gc_layout_dtype),
                     arrays.as_torch(v, self._gc_layout_dtype),
                 )
+            cap = self.gc_capture
+            if cap is not None and cap.wants(lkv.layer):
+                cap.offer(lkv.layer, lkv.start, k, v)
             # [rows, heads, dim] -> [1, heads, rows, dim] as a view: the model's own
             # update() concatenates the new tokens onto it, which is the one copy
             # the in-process cache pays too.
@@ -148,7 +222,9 @@ class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
             if not layer.is_initialized:
                 layer.lazy_initialization(k, v)
             if getattr(layer, "is_sliding", False):
-                keep = layer.sliding_window - 1  # what transformers keeps of a window
+                # The stored window may be up to a block longer than the W - 1
+                # rows transformers keeps of it.
+                keep = layer.sliding_window - 1
                 layer.keys, layer.values = k[:, :, -keep:], v[:, :, -keep:]
                 layer.cumulative_length = self._gc_prefix
             else:
@@ -162,6 +238,13 @@ class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
         self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any
     ) -> Any:
         self._gc_ensure(layer_idx)
+        cap = self.gc_capture
+        if cap is not None and cap.wants(layer_idx):
+            layer = self.layers[layer_idx]
+            start = int(getattr(layer, "cumulative_length", 0)) if layer.is_initialized else 0
+            cap.offer(
+                layer_idx, start, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -175,12 +258,13 @@ class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
 
 @dataclass
 class PrefillOutput:
-    logits: torch.Tensor  # logits of the last computed chunk, [1, chunk, vocab]
+    logits: torch.Tensor  # logits of the prompt's last token, [1, 1, vocab]
     cache: Any  # the model's cache after the prompt, ready for decoding
     prompt_tokens: int
     reused_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
-    stored: PutResult | None = None
+    stored: PutResult | None = None  # the put of the prompt's full blocks
+    checkpoints: list[int] = field(default_factory=list)  # windows saved inside it
 
     @property
     def next_token_logits(self) -> torch.Tensor:
@@ -188,7 +272,14 @@ class PrefillOutput:
 
 
 class TransformersConnector:
-    """Binds one model to one GCache namespace."""
+    """Binds one model to one GCache namespace.
+
+    ``checkpoint_interval`` (tokens; the meta's ``checkpoint_interval`` by
+    default, 0: off) and ``checkpoint_last`` choose the extra windows a prefill
+    saves besides the one at its last full block (:meth:`Layout.checkpoint_positions`
+    with the match as the branch point): the last interval multiple before the
+    end, and the last block boundary before the end (so the same block-aligned
+    prompt sent again resumes one block before its end)."""
 
     def __init__(
         self,
@@ -199,22 +290,43 @@ class TransformersConnector:
         block_size: int = 64,
         revision: str = "",
         cache_salt: str = "",
+        checkpoint_interval: int = MetaConfig.checkpoint_interval,
+        checkpoint_last: bool = True,
     ) -> None:
+        if checkpoint_interval < 0:
+            raise LayoutError(f"checkpoint_interval must be >= 0, got {checkpoint_interval}")
         self.client = client
         self.model = model
         self.spec = layout_from_model(model, block_size)
         self.ns: Namespace = client.register_namespace(
             model_id, self.spec, block_size=block_size, revision=revision, cache_salt=cache_salt
         )
+        self.layout: Layout = self.ns.layout
         self.block_size = block_size
         self.num_layers = len(self.spec.layers)
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_last = checkpoint_last
+        self.counters: dict[str, int] = {
+            "prefills": 0,
+            "prompt_tokens": 0,
+            "reused_tokens": 0,
+            "load_failures": 0,
+            "puts": 0,
+            "put_failures": 0,
+            "checkpoint_windows": 0,
+            "captured_bytes": 0,
+        }
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters)
 
     # ---- the two engine calls ------------------------------------------------------
 
     def store(self, tokens: Any, cache: Any) -> PutResult:
         """After a prefill whose cache holds exactly ``tokens``: store the KV of their
-        full blocks. Call it at a block boundary (``prefill`` does) so the sliding
-        layers still hold the whole window of the last block."""
+        full blocks. Call it at a block boundary. A plain ``DynamicCache`` holds
+        only ``W - 1`` rows of a sliding layer, so this works when the stored window
+        (``Layout.window_rows``) is no longer; :meth:`prefill` has no such limit."""
         toks = _as_token_array(tokens)
         if cache.get_seq_length() != len(toks):
             raise LayoutError(
@@ -231,21 +343,41 @@ class TransformersConnector:
     def match(self, tokens: Any) -> Match:
         return self.client.match(self.ns, _as_token_array(tokens))
 
-    def load(self, match: Match) -> GCachePrefixCache | None:
+    def load(self, match: Match, capture: WindowCapture | None = None) -> GCachePrefixCache | None:
         """A cache that fills itself layer by layer from ``match`` as the model runs,
         or ``None`` when nothing matched."""
         if match.tokens == 0:
             return None
+        return self._cache(self.client.get_layers(match), match.tokens, capture)
+
+    def _cache(
+        self, stream: SyncLayerStream | None, prefix: int, capture: WindowCapture | None
+    ) -> GCachePrefixCache:
         p = next(self.model.parameters())
         return GCachePrefixCache(
             self.model.config,
-            self.client.get_layers(match),
-            match.tokens,
+            stream,
+            prefix,
             self.num_layers,
             p.dtype,
             p.device,
             self.spec.dtype,
+            capture,
         )
+
+    def windows_to_save(self, nblocks: int, matched: int) -> list[int]:
+        """Block positions whose windows a prefill of a prompt with ``nblocks`` full
+        blocks saves, given ``matched`` blocks came from GCache (its window is
+        there already): the end, and the checkpoints inside the computed part."""
+        layout = self.layout
+        if nblocks <= matched:
+            return []
+        interval = self.checkpoint_interval // self.block_size
+        first = max(0, matched - layout.max_tail)  # sliding rows held: loaded or computed
+        ckpts = layout.checkpoint_positions(
+            nblocks, matched, first, interval, False, last=self.checkpoint_last
+        )
+        return sorted({nblocks, *(c for c in ckpts if matched < c < nblocks)})
 
     # ---- a whole prefill ---------------------------------------------------------------
 
@@ -258,59 +390,106 @@ class TransformersConnector:
         ids = torch.as_tensor(input_ids).reshape(1, -1)
         toks = ids[0].cpu().numpy()
         n = ids.shape[1]
+        nblocks = n // self.block_size
         t_start = time.perf_counter()
         timings: dict[str, float] = {}
         match: Match | None = None
         reused = 0
-        cache: Any = None
         if reuse and n > 1:
             # At least one token must be computed to produce logits.
             match = self.match(toks[: n - 1])
             timings["lookup_s"] = time.perf_counter() - t_start
-            cache = self.load(match)
-            reused = match.tokens if cache is not None else 0
+            reused = match.tokens
         try:
-            out = self._run(ids, cache, reused, toks, store, timings)
-        except PrefixLoadFailed as exc:
-            log.warning("prefix load failed (%s); recomputing %d tokens", exc, n)
-            reused = 0
-            out = self._run(ids, None, 0, toks, store, timings)
+            positions = self.windows_to_save(nblocks, reused // self.block_size) if store else []
+            capture = WindowCapture(self.layout, positions) if positions else None
+            stream = self.client.get_layers(match) if match is not None and reused else None
+            cache = self._cache(stream, reused, capture)
+            try:
+                logits = self._forward(ids[:, reused:], cache)
+            except PrefixLoadFailed as exc:
+                log.warning("prefix load failed (%s); recomputing %d tokens", exc, n)
+                self.counters["load_failures"] += 1
+                reused = 0
+                positions = self.windows_to_save(nblocks, 0) if store else []
+                capture = WindowCapture(self.layout, positions) if positions else None
+                cache = self._cache(None, 0, capture)
+                logits = self._forward(ids, cache)
         finally:
             if match is not None:
                 self.client.release(match)
-        logits, final_cache, stored = out
-        if isinstance(cache, GCachePrefixCache) and reused:
+        cache.gc_capture = None  # decoding goes on without copying anything out
+        if reused:
             timings["wait_s"] = cache.gc_wait_s
-        timings["total_s"] = time.perf_counter() - t_start - timings.get("store_s", 0.0)
-        return PrefillOutput(logits, final_cache, n, reused, timings, stored)
+        timings["total_s"] = time.perf_counter() - t_start
+        self.counters["prefills"] += 1
+        self.counters["prompt_tokens"] += n
+        self.counters["reused_tokens"] += reused
+        stored: PutResult | None = None
+        saved: list[int] = []
+        if capture is not None:
+            t0 = time.perf_counter()
+            stored, saved = self._put_windows(toks, cache, capture)
+            timings["store_s"] = time.perf_counter() - t0
+        return PrefillOutput(logits, cache, n, reused, timings, stored, saved)
 
-    def _run(
-        self,
-        ids: torch.Tensor,
-        cache: Any,
-        start: int,
-        toks: np.ndarray,
-        store: bool,
-        timings: dict[str, float],
-    ) -> tuple[torch.Tensor, Any, PutResult | None]:
-        model = self.model
-        n = ids.shape[1]
-        if cache is None:
-            cache = DynamicCache(config=model.config)
-        boundary = (n // self.block_size) * self.block_size
-        stored = None
-        if store and boundary > start and boundary < n:
-            model(ids[:, start:boundary], cache=cache, use_cache=True, logits_to_keep=1)
-            t0 = time.perf_counter()
-            stored = self._safe_store(toks[:boundary], cache)
-            timings["store_s"] = time.perf_counter() - t0
-            start = boundary
-        out = model(ids[:, start:], cache=cache, use_cache=True)
-        if store and boundary == n and boundary > 0 and stored is None:
-            t0 = time.perf_counter()
-            stored = self._safe_store(toks, cache)
-            timings["store_s"] = time.perf_counter() - t0
-        return out.logits, cache, stored
+    def _forward(self, ids: torch.Tensor, cache: GCachePrefixCache) -> torch.Tensor:
+        out = self.model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        cache.loaded_all()  # a model that skipped a layer's cache still gets it
+        logits: torch.Tensor = out.logits
+        return logits
+
+    def _put_windows(
+        self, toks: np.ndarray, cache: GCachePrefixCache, capture: WindowCapture
+    ) -> tuple[PutResult | None, list[int]]:
+        """Put the prompt's full blocks with the window at its end, then each
+        checkpoint window (a put of the prefix ending there: its full objects are
+        stored already, so only the window's objects are written)."""
+        bs = self.block_size
+        layout = self.layout
+        end = capture.positions[-1]
+        full: dict[int, KVPair] = {}
+        for layer in range(self.num_layers):
+            if not capture.wants(layer):
+                lay = cache.layers[layer]
+                full[layer] = (
+                    lay.keys[0, :, : end * bs].transpose(0, 1).contiguous().cpu(),
+                    lay.values[0, :, : end * bs].transpose(0, 1).contiguous().cpu(),
+                )
+        self.counters["captured_bytes"] += capture.nbytes()
+        main: PutResult | None = None
+        saved: list[int] = []
+        # The end first: it stores the full objects the checkpoints share.
+        for c in [end, *capture.positions[:-1]]:
+            if not capture.complete(c):
+                log.warning("window at block %d not fully computed; not stored", c)
+                continue
+            kv: list[KVPair] = []
+            for layer in range(layout.num_layers):
+                if capture.wants(layer):
+                    kv.append(capture.window(c, layer))
+                else:
+                    k, v = full[layer]
+                    kv.append((k[: c * bs], v[: c * bs]))
+            res = self._safe_put(toks[: c * bs], kv)
+            if c == end:
+                main = res
+            elif res is not None and res.ok:
+                saved.append(c)
+                self.counters["checkpoint_windows"] += 1
+        return main, saved
+
+    def _safe_put(self, toks: np.ndarray, kv: list[KVPair]) -> PutResult | None:
+        self.counters["puts"] += 1
+        try:
+            res = self.client.put(self.ns, toks, kv)
+        except GCacheError as exc:  # a store problem must never fail the request
+            log.warning("store failed: %s", exc)
+            self.counters["put_failures"] += 1
+            return None
+        if not res.ok:
+            self.counters["put_failures"] += 1
+        return res
 
     def _safe_store(self, toks: np.ndarray, cache: Any) -> PutResult | None:
         try:
