@@ -345,9 +345,10 @@ class TransformersConnector:
 
     def load(self, match: Match, capture: WindowCapture | None = None) -> GCachePrefixCache | None:
         """A cache that fills itself layer by layer from ``match`` as the model runs,
-        or ``None`` when nothing matched."""
+        or ``None`` when nothing matched (with a ``capture``: an empty cache that
+        copies the windows out)."""
         if match.tokens == 0:
-            return None
+            return None if capture is None else self._cache(None, 0, capture)
         return self._cache(self.client.get_layers(match), match.tokens, capture)
 
     def _cache(
@@ -429,7 +430,7 @@ class TransformersConnector:
         saved: list[int] = []
         if capture is not None:
             t0 = time.perf_counter()
-            stored, saved = self._put_windows(toks, cache, capture)
+            stored, saved = self.save_windows(toks, cache, capture)
             timings["store_s"] = time.perf_counter() - t0
         return PrefillOutput(logits, cache, n, reused, timings, stored, saved)
 
@@ -439,7 +440,7 @@ class TransformersConnector:
         logits: torch.Tensor = out.logits
         return logits
 
-    def _put_windows(
+    def save_windows(
         self, toks: np.ndarray, cache: GCachePrefixCache, capture: WindowCapture
     ) -> tuple[PutResult | None, list[int]]:
         """Put the prompt's full blocks with the window at its end, then each

@@ -217,6 +217,27 @@ def test_interval_checkpoint_serves_an_edited_ending(
 
 
 @torch.no_grad()
+def test_the_documented_manual_steps(conn: TransformersConnector, client: GCacheClient) -> None:
+    """docs/engines.md's step-by-step prefill, on a miss then on a hit."""
+    from gcache_client.hf import WindowCapture
+
+    tokens = rand_tokens(5 * BS, seed=50)
+    ids = tokens.reshape(1, -1)
+    for expect in (0, 4 * BS):
+        m = conn.match(tokens[:-1])
+        assert m.tokens == expect
+        ends = conn.windows_to_save(len(tokens) // BS, m.blocks)
+        cap = WindowCapture(conn.layout, ends)
+        cache = conn.load(m, cap)
+        assert cache is not None
+        out = conn.model(ids[:, m.tokens :], cache=cache, use_cache=True)  # type: ignore[operator]
+        client.release(m)
+        conn.save_windows(tokens.numpy(), cache, cap)
+        ref = reference_logits(conn.model, tokens)
+        assert torch.allclose(out.logits[0, -1], ref, atol=ATOL)
+
+
+@torch.no_grad()
 def greedy(conn: TransformersConnector, ids: torch.Tensor, steps: int, reuse: bool) -> list[int]:
     out = conn.prefill(ids, reuse=reuse, store=False)
     cache = out.cache
