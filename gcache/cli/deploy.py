@@ -77,6 +77,7 @@ class LocalDeployment:
         self.servers: list[Proc] = []
         self.extra: list[Proc] = []  # engines and a router (gcache/cli/fleet.py)
         self._logs: list[IO[bytes]] = []
+        self._started = False  # start() again is a no-op until stop()
 
     # ---- start/stop ----------------------------------------------------------------
 
@@ -109,6 +110,11 @@ class LocalDeployment:
         raise GCacheError(f"{proc.name} not ready within the timeout; see {proc.log_path}")
 
     def start(self, timeout: float = 30.0) -> LocalDeployment:
+        """Start the meta and the servers; a second call (``with ... as d:
+        d.start()``) is a no-op: it used to start a second meta and second servers on
+        the same data and NVMe directories, leaking the first deployment."""
+        if self._started:
+            return self
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -124,6 +130,7 @@ class LocalDeployment:
         except BaseException:
             self.stop()  # never leave half a deployment running
             raise
+        self._started = True
         return self
 
     def _start_meta(self, deadline: float) -> None:
@@ -237,6 +244,7 @@ class LocalDeployment:
         """SIGTERM everything (engines and router, then servers, then the meta), then
         SIGKILL what is left."""
         codes: dict[str, int | None] = {}
+        self._started = False
         procs = [*self.extra, *self.servers, *([self.meta] if self.meta else [])]
         for p in procs:
             if p.alive:
