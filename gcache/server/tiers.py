@@ -174,9 +174,12 @@ class TierState:
     # ---- registration --------------------------------------------------------------
 
     def records(self) -> list[StoredRecord]:
+        """DRAM and NVMe records, parents before children (by block position): the
+        meta adopts a record whose parent it knows at once and parks the others."""
         out = list(self.manifest)
         if self.nvme is not None:
             out.extend(list(self.nvme.records()))
+        out.sort(key=lambda r: r.pos)  # N4: report in block order (issue 10, rebuild)
         return out
 
     def fill_registration(self, req: pb.RegisterServerRequest) -> None:
