@@ -58,6 +58,28 @@ class DemoteCommand(_message.Message):
     object: StoredObject
     def __init__(self, object: _Optional[_Union[StoredObject, _Mapping]] = ...) -> None: ...
 
+class PromoteCommand(_message.Message):
+    __slots__ = ("object", "dram_offset")
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    DRAM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    object: StoredObject
+    dram_offset: int
+    def __init__(self, object: _Optional[_Union[StoredObject, _Mapping]] = ..., dram_offset: _Optional[int] = ...) -> None: ...
+
+class Promoted(_message.Message):
+    __slots__ = ("nvme_offset", "length", "dram_offset", "ok", "error")
+    NVME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    nvme_offset: int
+    length: int
+    dram_offset: int
+    ok: bool
+    error: str
+    def __init__(self, nvme_offset: _Optional[int] = ..., length: _Optional[int] = ..., dram_offset: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
 class Demoted(_message.Message):
     __slots__ = ("dram_offset", "length", "nvme_offset", "ok", "error")
     DRAM_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -143,7 +165,7 @@ class ServerCounters(_message.Message):
     def __init__(self, reads: _Optional[int] = ..., writes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., errors: _Optional[int] = ..., connections: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., connections_accepted: _Optional[int] = ..., connections_refused: _Optional[int] = ..., connections_idle_closed: _Optional[int] = ..., connections_send_timeouts: _Optional[int] = ..., protocol_errors: _Optional[int] = ..., bad_frames_suppressed: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "incarnation", "counters", "demoted", "nvme_used", "epoch", "nvme_lost")
+    __slots__ = ("server_id", "incarnation", "counters", "demoted", "nvme_used", "epoch", "nvme_lost", "promoted")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +173,7 @@ class HeartbeatRequest(_message.Message):
     NVME_USED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NVME_LOST_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     incarnation: int
     counters: ServerCounters
@@ -158,7 +181,8 @@ class HeartbeatRequest(_message.Message):
     nvme_used: int
     epoch: int
     nvme_lost: _containers.RepeatedCompositeFieldContainer[Range]
-    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., demoted: _Optional[_Iterable[_Union[Demoted, _Mapping]]] = ..., nvme_used: _Optional[int] = ..., epoch: _Optional[int] = ..., nvme_lost: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
+    promoted: _containers.RepeatedCompositeFieldContainer[Promoted]
+    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., demoted: _Optional[_Iterable[_Union[Demoted, _Mapping]]] = ..., nvme_used: _Optional[int] = ..., epoch: _Optional[int] = ..., nvme_lost: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promoted: _Optional[_Iterable[_Union[Promoted, _Mapping]]] = ...) -> None: ...
 
 class Range(_message.Message):
     __slots__ = ("offset", "length")
@@ -169,18 +193,20 @@ class Range(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme")
+    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme", "promote")
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     ADOPT_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_FIELD_NUMBER: _ClassVar[int]
     DROP_NVME_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_FIELD_NUMBER: _ClassVar[int]
     reregister: bool
     free: _containers.RepeatedCompositeFieldContainer[Range]
     adopt: _containers.RepeatedCompositeFieldContainer[StoredObject]
     demote: _containers.RepeatedCompositeFieldContainer[DemoteCommand]
     drop_nvme: _containers.RepeatedCompositeFieldContainer[Range]
-    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
+    promote: _containers.RepeatedCompositeFieldContainer[PromoteCommand]
+    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype")
