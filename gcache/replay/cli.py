@@ -30,6 +30,35 @@ def add_parser(sub: Any) -> None:
         "--capacity", default="300GB", help="store capacity, or a comma-separated list to sweep"
     )
     rp.add_argument(
+        "--nvme-capacity",
+        default="0",
+        help="NVMe tier of the server (0: DRAM only), or a comma-separated list to sweep",
+    )
+    rp.add_argument(
+        "--dram-gbps",
+        type=float,
+        default=Options.dram_gbps,
+        help="read bandwidth from the store's DRAM into the engine (GB/s; 0: free)",
+    )
+    rp.add_argument(
+        "--nvme-gbps",
+        type=float,
+        default=Options.nvme_gbps,
+        help="read bandwidth from the NVMe tier (GB/s): the demotion rule and the fetch time",
+    )
+    rp.add_argument(
+        "--compute-tflops",
+        type=float,
+        default=Options.compute_tflops,
+        help="the engine's prefill TFLOP/s (the load-or-recompute and demotion rules)",
+    )
+    rp.add_argument(
+        "--no-load-or-recompute",
+        dest="load_or_recompute",
+        action="store_false",
+        help="load every match whole, however slow its fetch",
+    )
+    rp.add_argument(
         "--policy",
         default="",
         help=f"comma-separated, from: {', '.join(POLICIES)} (default: all); with --router "
@@ -55,6 +84,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return router_report.cmd_router(args)
     try:
         capacities = [parse_size(c.strip()) for c in args.capacity.split(",") if c.strip()]
+        nvme = [parse_size(c.strip()) for c in args.nvme_capacity.split(",") if c.strip()]
         policy = args.policy or ",".join(DEFAULT_POLICIES)
         policies = [p.strip() for p in policy.split(",") if p.strip()]
         bad = [p for p in policies if p not in POLICIES]
@@ -62,9 +92,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise ConfigError(f"unknown policy {bad[0] if bad else ''!r}; known: {POLICIES}")
         if not capacities or min(capacities) < 1 << 20:
             raise ConfigError("capacities must be at least 1MiB")
+        if not nvme or any(0 < c < 1 << 20 for c in nvme):
+            raise ConfigError("NVMe capacities must be 0 (none) or at least 1MiB")
         if args.checkpoint_interval < 0 or args.jobs < 0 or args.limit < 0:
             raise ConfigError("--checkpoint-interval, --jobs and --limit must be >= 0")
-        opts = Options(args.layout, args.block_size, args.checkpoint_interval)
+        if not (args.dram_gbps >= 0 and args.nvme_gbps > 0 and args.compute_tflops > 0):
+            raise ConfigError("need --dram-gbps >= 0, --nvme-gbps > 0 and --compute-tflops > 0")
+        opts = Options(
+            args.layout,
+            args.block_size,
+            args.checkpoint_interval,
+            dram_gbps=args.dram_gbps,
+            nvme_gbps=args.nvme_gbps,
+            compute_tflops=args.compute_tflops,
+            load_or_recompute=args.load_or_recompute,
+        )
         t0 = time.perf_counter()
         trace = load(args.trace, args.block_size, args.limit)
         if not args.quiet:
@@ -72,7 +114,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 f"{trace.path}: {trace.requests} requests, {trace.tokens:,} prompt tokens, "
                 f"{trace.blocks:,} blocks of {args.block_size} "
                 f"(loaded in {time.perf_counter() - t0:.1f}s); "
-                f"{len(policies) * len(capacities)} replays on "
+                f"{len(policies) * len(capacities) * len(nvme)} replays on "
                 f"{args.jobs or os.cpu_count()} processes",
                 flush=True,
             )
@@ -80,13 +122,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         def done(row: dict[str, Any]) -> None:
             if not args.quiet:
                 print(
-                    f"  {row['policy']:<7} {report.fmt_bytes(row['capacity_bytes']):>8}: "
-                    f"FLOPs saved {row['flops_saved']:.1%}, "
+                    f"  {row['policy']:<7} {report.where(row):>16}: "
+                    f"FLOPs saved {row['flops_saved']:.1%} "
+                    f"(net of fetch {row['flops_saved_net']:.1%}), "
                     f"{row['blocks_per_s']:,.0f} blocks/s",
                     flush=True,
                 )
 
-        rows = sweep(trace, policies, capacities, opts, args.jobs, done)
+        rows = sweep(trace, policies, capacities, opts, args.jobs, done, nvme)
     except (TraceError, ConfigError, LayoutError) as exc:
         print(f"gcache replay: {exc}", file=sys.stderr)
         return 2
