@@ -238,7 +238,9 @@ class MetaConfig:
     )
     parked_ttl_s: float = _doc("free parked reported objects after this long", default=300.0)
     promotion: str = _doc(
-        "copy NVMe objects back to DRAM on repeated hits: off (the only policy so far)",
+        "copy NVMe objects back to DRAM on repeated hits: off, or hits:N (an NVMe object "
+        "read by N leased lookups is copied into a DRAM range of its server, when that "
+        "stays below high_watermark)",
         default="off",
     )
     write_balance_s: float = _doc(
@@ -250,6 +252,16 @@ class MetaConfig:
     def max_body_bytes(self) -> int:
         return parse_size(self.max_body)
 
+    @property
+    def promotion_hits(self) -> int:
+        """Hits that promote an NVMe object (``hits:N``); 0 = off; -1 = malformed."""
+        if self.promotion == "off":
+            return 0
+        name, _, n = self.promotion.partition(":")
+        if name != "hits" or not n.isdigit() or int(n) < 1:
+            return -1
+        return int(n)
+
     def check(self) -> None:
         _check_fields(self)
         _check_connections(self)
@@ -260,8 +272,10 @@ class MetaConfig:
                 "need 0 < meta.nvme_low_watermark < meta.nvme_high_watermark <= 1, got "
                 f"{self.nvme_low_watermark} and {self.nvme_high_watermark}"
             )
-        if self.promotion != "off":
-            raise ConfigError(f"meta.promotion must be off, got {self.promotion!r}")
+        if self.promotion_hits < 0:
+            raise ConfigError(
+                f"meta.promotion must be off or hits:N with N >= 1, got {self.promotion!r}"
+            )
         for name in ("compute_tflops", "write_balance_s", "parked_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"meta.{name} must be > 0, got {getattr(self, name)!r}")

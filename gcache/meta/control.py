@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -20,7 +22,7 @@ from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
 from gcache.meta.rebuild import Parked
 from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord
-from gcache.meta.tiers import Demotion
+from gcache.meta.tiers import Demotion, Promotion
 
 log = logging.getLogger("gcache.meta.control")
 
@@ -69,6 +71,58 @@ def stored(obj: ObjectRecord, ns: NamespaceRecord) -> Any:
     )
 
 
+class GcPause:
+    """The cyclic garbage collector paused while reports are adopted.
+
+    A rebuild allocates millions of long-lived objects (entries, object records,
+    heap items); the collector's generational passes over them took half of the
+    rebuild's CPU (bench/meta_rebuild.py: 1.68 s instead of 3.6 s for 206k objects in
+    process). Reference counting still frees everything acyclic; the collector runs
+    again as soon as the last report in progress ends (also on error)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.was_enabled = False
+        self.paused_s = 0.0
+        self._since = 0.0
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.depth == 0:
+            self.was_enabled = gc.isenabled()
+            self._since = time.monotonic()
+            gc.disable()
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.paused_s += time.monotonic() - self._since
+                if self.was_enabled:
+                    gc.enable()
+
+
+def parked_records(objects: Any) -> list[Parked]:
+    """A chunk's records (proto ``StoredObject``; bytes fields are ``bytes``
+    already, no copy)."""
+    return [
+        Parked(
+            o.namespace,
+            o.key,
+            o.parent,
+            o.pos,
+            o.group,
+            o.tier,
+            o.offset,
+            o.length,
+            o.sums,
+            o.seq,
+        )
+        for o in objects
+    ]
+
+
 class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -83,6 +137,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         self.hotpath = hotpath  # HotPathServer.stats: its connection counters
         self.refused_unauthenticated = 0
         self.refused_duplicate_id = 0
+        self.gc_pause = GcPause()  # while reports are adopted
 
     def stats(self) -> dict[str, int]:
         """The control service's counters and the hot path's (``hotpath_*``)."""
@@ -164,6 +219,10 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         """A server's manifest, in chunks (``last`` on the final one): adopted into
         the index; the server gets placements only once it is complete."""
         await self._require_cluster(context, "ReportObjects")
+        with self.gc_pause():
+            return await self._report_objects(request_iterator, context)
+
+    async def _report_objects(self, request_iterator: Any, context: Any) -> Any:
         adopted = dropped = 0
         first = True
         async for chunk in request_iterator:
@@ -173,21 +232,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                     f"report for meta epoch {chunk.epoch}, this meta's is {self.core.epoch}: "
                     "register again",
                 )
-            records = [
-                Parked(
-                    bytes(o.namespace),
-                    bytes(o.key),
-                    bytes(o.parent),
-                    o.pos,
-                    o.group,
-                    o.tier,
-                    o.offset,
-                    o.length,
-                    bytes(o.sums),
-                    o.seq,
-                )
-                for o in chunk.objects
-            ]
+            records = parked_records(chunk.objects)
             got = self.core.report_objects(
                 chunk.server_id, chunk.incarnation, records, chunk.last, time.monotonic()
             )
@@ -217,6 +262,10 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         counters = {f.name: int(getattr(c, f.name)) for f in c.DESCRIPTOR.fields}
         done = request.demoted
         demoted = [Demotion(d.dram_offset, d.length, d.nvme_offset, d.ok, d.error) for d in done]
+        promoted = [
+            Promotion(p.nvme_offset, p.length, p.dram_offset, p.ok, p.error)
+            for p in request.promoted
+        ]
         out = self.core.tier_heartbeat(
             request.server_id,
             request.incarnation,
@@ -225,6 +274,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             demoted,
             request.nvme_used,
             [(r.offset, r.length) for r in request.nvme_lost],
+            promoted,
         )
         if out.failed:
             log.warning(
@@ -239,6 +289,10 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             adopt=[stored(obj, ns) for obj, ns in out.adopt],
             demote=[pb.DemoteCommand(object=stored(obj, ns)) for obj, ns in out.demote],
             drop_nvme=[pb.Range(offset=o, length=n) for o, n in out.drop_nvme],
+            promote=[
+                pb.PromoteCommand(object=stored(obj, ns), dram_offset=off)
+                for obj, ns, off in out.promote
+            ],
         )
 
     async def RegisterNamespace(self, request: Any, context: Any) -> Any:
@@ -261,7 +315,8 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             }
             if not request.model:
                 raise LayoutError("model is required")
-            ns = self.core.register_namespace(descriptor, spec)
+            with self.gc_pause():  # it may adopt what was reported for it
+                ns = self.core.register_namespace(descriptor, spec)
         except LayoutError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info(

@@ -81,6 +81,13 @@ COUNTERS = (
     "nvme_evictions",
     "nvme_lost",
     "adopt_overflow",
+    "promotions_issued",
+    "promotions_done",
+    "promotions_failed",
+    "promotions_void",
+    "promotions_unknown",
+    "promotions_no_room",
+    "promoted_bytes",
     "objects_adopted",
     "objects_parked",
     "objects_report_dropped",
@@ -211,6 +218,8 @@ class MetaCore(Rebuild):
         rec.demoting.clear()
         rec.adopt_out.clear()
         rec.demote_out.clear()
+        rec.promoting.clear()
+        rec.promote_out.clear()
         rec.parked.clear()
         if self.servers.get(rec.server_id) is rec:
             del self.servers[rec.server_id]

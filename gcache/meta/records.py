@@ -51,6 +51,7 @@ class ObjectRecord(RingNode):
     __slots__ = (
         "entry",
         "group",
+        "hits",
         "last_access",
         "length",
         "offset",
@@ -75,7 +76,7 @@ class ObjectRecord(RingNode):
         owner: str = "",
         tier: int = 0,
     ) -> None:
-        RingNode.__init__(self)
+        self.prev_on = self.next_on = self  # RingNode.__init__, inlined (hot in rebuilds)
         self.entry = entry
         self.group = group
         self.server = server
@@ -84,6 +85,7 @@ class ObjectRecord(RingNode):
         self.sums = sums
         self.pins = 0
         self.state = LIVE
+        self.hits = 0  # leased reads while on NVMe (promotion; -1: being promoted)
         self.last_access = now
         self.owner = owner  # the tenant whose quota the bytes count against
         # The eviction policy's own figure for this object (the cost policy keeps
@@ -187,6 +189,9 @@ class ServerRecord:
         "objects",
         "parked",
         "pending_bytes",
+        "promote_out",
+        "promoting",
+        "promoting_bytes",
         "quarantined_bytes",
         "recent_at",
         "recent_write",
@@ -251,6 +256,11 @@ class ServerRecord:
         self.demote_out: list[tuple[ObjectRecord, NamespaceRecord]] = []  # copy to NVMe
         self.demoting_bytes = 0
         self.demote_paused_until = 0.0  # after a failed demotion: drop instead
+        # Promotions (NVMe -> DRAM): DRAM offset -> (object, namespace) in flight, the
+        # commands not sent yet, and the DRAM bytes allocated to them.
+        self.promoting: dict[int, tuple[ObjectRecord, NamespaceRecord]] = {}
+        self.promote_out: list[tuple[ObjectRecord, NamespaceRecord, int]] = []
+        self.promoting_bytes = 0
         # Bytes placed here recently (decayed), for placement's write balance.
         self.recent_write = 0.0
         self.recent_at = now
@@ -277,6 +287,7 @@ class ServerRecord:
             - self.pending_bytes
             - self.quarantined_bytes
             - self.demoting_bytes
+            - self.promoting_bytes
         )
 
 

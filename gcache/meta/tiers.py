@@ -41,6 +41,7 @@ from gcache.meta.records import (
     EVICTED,
     GONE,
     LIVE,
+    BlockEntry,
     NamespaceRecord,
     ObjectRecord,
     ServerRecord,
@@ -54,6 +55,10 @@ DEMOTE_PAUSE_S = 10.0
 MAX_ADOPT_PER_REPLY = 4096
 MAX_DEMOTE_PER_REPLY = 4096
 MAX_DROP_PER_REPLY = 1 << 16
+MAX_PROMOTE_PER_REPLY = 1024
+# Promotions sent to a server and not reported done yet, at most.
+MAX_PROMOTIONS_IN_FLIGHT = 1024
+PROMOTING = -1  # ObjectRecord.hits of an object being promoted
 
 
 @dataclass
@@ -68,6 +73,17 @@ class Demotion:
 
 
 @dataclass
+class Promotion:
+    """A finished promotion a server reports (proto ``Promoted``)."""
+
+    nvme_offset: int
+    length: int
+    dram_offset: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass
 class HeartbeatOut:
     """What the meta answers a heartbeat (proto ``HeartbeatReply``)."""
 
@@ -77,6 +93,8 @@ class HeartbeatOut:
     demote: list[tuple[ObjectRecord, NamespaceRecord]] = field(default_factory=list)
     drop_nvme: list[tuple[int, int]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # errors of failed demotions
+    # (NVMe object, namespace, DRAM offset): copy it into DRAM there
+    promote: list[tuple[ObjectRecord, NamespaceRecord, int]] = field(default_factory=list)
 
 
 T = TypeVar("T")
@@ -236,6 +254,98 @@ class Tiers(Leases):
         c["demoted_bytes"] += length
         return None
 
+    # ---- promotion: NVMe -> DRAM on repeated hits (meta.promotion = "hits:N") ----------
+
+    def pick(
+        self, ns: NamespaceRecord, chain: list[BlockEntry], p: int, now: float
+    ) -> list[ObjectRecord]:
+        """:meth:`Leases.pick`, counting the hits of NVMe objects for promotion."""
+        picked = super().pick(ns, chain, p, now)
+        need = self.cfg.promotion_hits
+        if need > 0:
+            for obj in picked:
+                if obj.tier and obj.hits != PROMOTING:
+                    obj.hits += 1
+                    if obj.hits >= need:
+                        self._promote(obj, ns)
+        return picked
+
+    def _promote(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        """Allocate a DRAM range on ``obj``'s server and ask the server to copy the
+        NVMe object there (a write by the server itself, no client grant). Only
+        while that keeps the server's DRAM below its high watermark: a promotion
+        never evicts. The object stays on NVMe, readable and pinned, until the
+        server reports the copy."""
+        srv = obj.server
+        cfg = self.cfg
+        c = self.counters
+        if (
+            obj.state != LIVE
+            or not srv.alive
+            or not srv.ready
+            or len(srv.promoting) >= MAX_PROMOTIONS_IN_FLIGHT
+        ):
+            return False
+        cap = srv.allocator.capacity
+        if srv.reclaimable_used + obj.length > cfg.high_watermark * cap:
+            c["promotions_no_room"] += 1
+            return False
+        off = srv.allocator.alloc(obj.length)
+        if off is None:
+            c["promotions_no_room"] += 1
+            return False
+        obj.pins += 1
+        obj.hits = PROMOTING
+        srv.promoting[off] = (obj, ns)
+        srv.promoting_bytes += obj.length
+        srv.promote_out.append((obj, ns, off))
+        c["promotions_issued"] += 1
+        return True
+
+    def promoted(self, srv: ServerRecord, done: Promotion) -> None:
+        """A server finished (or failed) a promotion: switch the index to the DRAM
+        copy and delete the NVMe one (once its last read lease ends), or give the
+        DRAM range back."""
+        c = self.counters
+        got = srv.promoting.pop(done.dram_offset, None)
+        if got is None or got[0].length != done.length or got[0].offset != done.nvme_offset:
+            c["promotions_unknown"] += 1
+            if got is not None:
+                srv.promoting[done.dram_offset] = got
+            return
+        obj, ns = got
+        length = obj.length
+        srv.promoting_bytes -= length
+        obj.pins -= 1
+        obj.hits = 0
+        if not done.ok or obj.state != LIVE:
+            # Failed, or evicted meanwhile: the DRAM range goes back (the server
+            # drops whatever record it made there).
+            self._free_range(srv, done.dram_offset, length)
+            c["promotions_failed" if not done.ok else "promotions_void"] += 1
+            if obj.pins == 0:
+                if obj.state == EVICTED:
+                    self._release_evicted(obj)
+                elif obj.state == LIVE:
+                    self.nvme_policy.unpinned(obj, ns)
+            return
+        entry = obj.entry
+        self._unlink(ns, entry, obj.group)
+        new = ObjectRecord(
+            entry, obj.group, srv, done.dram_offset, length, obj.sums, obj.last_access,
+            obj.owner, tier=0,
+        )  # fmt: skip
+        new.score = obj.score
+        self._link_object(ns, entry, new)
+        self._count_in(ns, new)
+        self.policy.admit(new, ns)
+        if obj.pins:
+            obj.state = EVICTED  # its NVMe copy is deleted when the last lease ends
+        else:
+            self._free_object(obj)  # drop_nvme in the next reply
+        c["promotions_done"] += 1
+        c["promoted_bytes"] += length
+
     def nvme_lost(self, srv: ServerRecord, ranges: list[tuple[int, int]]) -> int:
         """The server dropped these NVMe objects by itself (a region evicted whole):
         forget them without asking it to delete anything (their addresses may hold
@@ -282,6 +392,7 @@ class Tiers(Leases):
         demoted: list[Demotion] | None = None,
         nvme_used: int = 0,
         nvme_lost: list[tuple[int, int]] | None = None,
+        promoted: list[Promotion] | None = None,
     ) -> HeartbeatOut:
         """A server's heartbeat: apply its finished demotions, then answer with
         what it must do (bounded per reply; the rest waits for the next one)."""
@@ -299,6 +410,8 @@ class Tiers(Leases):
             err = self.demoted(srv, d, now)
             if err is not None:
                 out.failed.append(err)
+        for pr in promoted or ():
+            self.promoted(srv, pr)
         # Order matters to the server: free, then adopt, then demote.
         out.free, srv.freed = srv.freed, []
         out.adopt = [
@@ -308,6 +421,7 @@ class Tiers(Leases):
         ]
         out.demote = _take(srv.demote_out, MAX_DEMOTE_PER_REPLY)
         out.drop_nvme = _take(srv.drop_out, MAX_DROP_PER_REPLY)
+        out.promote = _take(srv.promote_out, MAX_PROMOTE_PER_REPLY)
         self._check_watermark(srv)
         return out
 
@@ -318,5 +432,6 @@ class Tiers(Leases):
             "nvme_capacity": sum(s.nvme_capacity for s in live),
             "nvme_used": sum(s.nvme_bytes for s in live),
             "demotions_in_flight": sum(len(s.demoting) for s in live),
+            "promotions_in_flight": sum(len(s.promoting) for s in live),
             "servers_reporting": sum(1 for s in live if not s.ready),
         }
