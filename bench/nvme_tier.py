@@ -6,8 +6,10 @@ For object sizes of 1 MiB and 16 MiB, in the same directory:
   ``iflag=direct`` of the same number of bytes;
 * GCache: the server's demotion path (``NvmeTier.append`` straight from a
   page-aligned DRAM segment, one ``fdatasync`` per batch of 16, as a heartbeat's
-  demotions) and its tier-1 READ path (``TieredReadReply.load``: ``preadv`` of each
-  object into the reply buffer, the tier's O_DIRECT writes left no page cache).
+  demotions) and its tier-1 READ path (``TieredReadReply.load``: ``O_DIRECT``
+  ``preadv`` of each object into a reply buffer from the server's pool of reused,
+  pre-faulted buffers, ``ReadBuffers``; the tier's O_DIRECT writes left no page
+  cache). ``--fresh-buffers``: a new mapping per READ instead (the old path).
 
 Prints a table with the ratios (target >= 0.7x). Usage::
 
@@ -28,7 +30,7 @@ import time
 from array import array
 
 from gcache.config import parse_size
-from gcache.server.tiered import TieredReadReply
+from gcache.server.tiered import ReadBuffers, TieredReadReply
 from gcache.storage.manifest import StoredRecord
 from gcache.storage.nvme import NvmeTier
 
@@ -63,7 +65,9 @@ def raw(directory: str, size: int, count: int) -> tuple[float, float]:
     return total / w / 1e9, total / r / 1e9
 
 
-def gcache(directory: str, size: int, count: int, tier_size: int) -> tuple[float, float]:
+def gcache(
+    directory: str, size: int, count: int, tier_size: int, fresh: bool = False
+) -> tuple[float, float]:
     path = os.path.join(directory, "tier")
     seg = mmap.mmap(-1, size * 16)
     view = memoryview(seg)
@@ -79,13 +83,16 @@ def gcache(directory: str, size: int, count: int, tier_size: int) -> tuple[float
             if i % 16 == 15:
                 tier.sync()
         tier.sync()
+        pool = ReadBuffers(256 * MiB)  # as the daemon's
         t1 = time.perf_counter()
         for a in addrs:
             reply = TieredReadReply(
                 view, tier, array("Q", [a]), array("Q", [size]), bytearray([1]), size
             )
-            reply.load()
+            reply.load(None if fresh else pool)
+            reply.release()
         t2 = time.perf_counter()
+        pool.close()
     finally:
         tier.close()
         view.release()
@@ -100,6 +107,7 @@ def main() -> None:
     p.add_argument("--dir", default="", help="directory on the device (default: a temp dir)")
     p.add_argument("--total", default="512MiB", help="bytes written per size")
     p.add_argument("--json", default="")
+    p.add_argument("--fresh-buffers", action="store_true", help="map a new read buffer per READ")
     args = p.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="gcache-nvme-bench-")
     total = parse_size(args.total)
@@ -108,7 +116,7 @@ def main() -> None:
         count = max(total // size, 16)
         tier_size = max(2 * total, 64 * size)
         rw, rr = raw(directory, size, count)
-        gw, gr = gcache(directory, size, count, tier_size)
+        gw, gr = gcache(directory, size, count, tier_size, args.fresh_buffers)
         rows.append(
             {
                 "size": size,

@@ -34,7 +34,7 @@ from gcache.errors import (
     SendTimeout,
 )
 from gcache.server.core import DataPlaneCore
-from gcache.server.tiered import ReadBudget, TieredReadReply
+from gcache.server.tiered import ReadBudget, ReadBuffers, TieredReadReply
 from gcache.server.tiers import TierState
 from gcache.startup import OneLineParser, install_uvloop, listen_tcp, run_main, setup_logging
 from gcache.storage.segment import Segment
@@ -97,6 +97,7 @@ class StorageServer:
         # Issue 10: manifest, NVMe tier, demotions, epoch (gcache/server/tiers.py).
         self.tiers: TierState | None = None
         self.read_budget = ReadBudget(256 << 20)  # NVMe reply bytes read ahead
+        self.read_buffers = ReadBuffers(256 << 20)  # their buffers, reused
         self.read_pool = concurrent.futures.ThreadPoolExecutor(4, "nvme-read")
 
     # ---- data plane --------------------------------------------------------------
@@ -112,6 +113,7 @@ class StorageServer:
             **self.request_log.stats("refused_requests"),
             **(self.tiers.stats() if self.tiers is not None else {}),
             "nvme_read_budget_waits": self.read_budget.waits,
+            **self.read_buffers.stats(),
         }
 
     async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
@@ -174,6 +176,7 @@ class StorageServer:
                                 reply.total,
                             )
                         finally:
+                            reply.release()  # its buffer back to the pool
                             await self.read_budget.release(reply.nvme_bytes)
                         del reply
                         continue
@@ -221,13 +224,17 @@ class StorageServer:
         released) when the disk read failed."""
         await self.read_budget.acquire(reply.nvme_bytes)
         try:
-            await asyncio.get_running_loop().run_in_executor(self.read_pool, reply.load)
+            await asyncio.get_running_loop().run_in_executor(
+                self.read_pool, reply.load, self.read_buffers
+            )
         except OSError as exc:
+            reply.release()
             await self.read_budget.release(reply.nvme_bytes)
             self.request_log.log(time.monotonic(), "NVMe read failed: %s", exc)
             await stream.send_msg(wire.Error(E_INTERNAL, f"NVMe read failed: {exc}"), req_id)
             return False
         except BaseException:
+            reply.release()
             await self.read_budget.release(reply.nvme_bytes)
             raise
         return True
@@ -421,6 +428,7 @@ class StorageServer:
                 t.cancel()
             await asyncio.gather(*tasks, *self.connections, return_exceptions=True)
             self.read_pool.shutdown(wait=True)
+            self.read_buffers.close()
             self.tiers.close()  # keeps the segment and its manifest for the next start
 
 

@@ -7,11 +7,16 @@ before it is sent. :class:`TieredReadReply` keeps the same shape as
 and :meth:`load`, which the daemon runs on a worker thread (a disk read never
 blocks the event loop). Tier-0 ranges of the same READ stay views of the segment.
 The buffer is bounded by :data:`MAX_NVME_READ` per READ and, in the daemon, by a
-budget of bytes read ahead for all connections (:class:`ReadBudget`)."""
+budget of bytes read ahead for all connections (:class:`ReadBudget`). Buffers come
+from :class:`ReadBuffers`, a bounded pool of page-aligned, pre-faulted mappings
+reused from READ to READ: mapping and faulting in a fresh 1 MiB buffer per READ
+cost about as much as the disk read itself (1 MiB reads were 0.57x raw)."""
 
 from __future__ import annotations
 
 import asyncio
+import mmap
+import threading
 from array import array
 from collections.abc import Iterator
 from typing import Final
@@ -20,10 +25,120 @@ from gcache.storage.nvme import NvmeTier
 
 MAX_NVME_READ: Final = 64 << 20
 READ_BATCH: Final = 512
+MIN_BUFFER: Final = 1 << 20  # smallest pooled buffer (size classes: powers of two)
+
+
+class ReadBuffer:
+    """One page-aligned buffer lent by :class:`ReadBuffers`."""
+
+    __slots__ = ("map", "pooled", "size", "view")
+
+    def __init__(self, size: int, pooled: bool) -> None:
+        self.size = size
+        self.pooled = pooled
+        self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
+        self.view = memoryview(self.map)
+
+    def unmap(self) -> None:
+        self.view.release()
+        try:
+            self.map.close()
+        except BufferError:  # a view of it still alive somewhere: unmapped when freed
+            pass
+
+
+class ReadBuffers:
+    """A bounded pool of page-aligned, pre-faulted read buffers (thread-safe: lent on
+    the read workers, returned on the loop). Size classes are powers of two from
+    :data:`MIN_BUFFER`; at most ``limit`` bytes are pooled (lent or free). A READ
+    whose class has no free buffer gets a new one while the pool has room, else
+    free buffers of other classes are unmapped to make room, else (every pooled
+    byte lent: the read budget bounds this) a one-off buffer unmapped on return."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pooled = 0  # bytes of pooled buffers, lent or free
+        self.lent = 0
+        self.hits = self.misses = self.one_off = self.unmapped = 0
+        self._free: dict[int, list[ReadBuffer]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size_class(n: int) -> int:
+        return max(MIN_BUFFER, 1 << (max(n, 1) - 1).bit_length())
+
+    def acquire(self, n: int) -> ReadBuffer:
+        size = self.size_class(n)
+        drop: list[ReadBuffer] = []
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self.hits += 1
+                self.lent += size
+                return free.pop()
+            self.misses += 1
+            for cls in sorted(self._free, reverse=True):  # make room: largest first
+                bufs = self._free[cls]
+                while bufs and self.pooled + size > self.limit:
+                    drop.append(bufs.pop())
+                    self.pooled -= cls
+            pooled = self.pooled + size <= self.limit
+            if pooled:
+                self.pooled += size
+                self.lent += size
+            else:
+                self.one_off += 1
+            self.unmapped += len(drop)
+        for b in drop:
+            b.unmap()
+        try:
+            return ReadBuffer(size, pooled)  # mapped and faulted in outside the lock
+        except BaseException:
+            if pooled:
+                with self._lock:
+                    self.pooled -= size
+                    self.lent -= size
+            raise
+
+    def release(self, buf: ReadBuffer) -> None:
+        if not buf.pooled:
+            buf.unmap()
+            return
+        with self._lock:
+            self.lent -= buf.size
+            self._free.setdefault(buf.size, []).append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            bufs = [b for free in self._free.values() for b in free]
+            self._free.clear()
+            self.pooled -= sum(b.size for b in bufs)
+        for b in bufs:
+            b.unmap()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "nvme_read_buffers_pooled_bytes": self.pooled,
+            "nvme_read_buffers_lent_bytes": self.lent,
+            "nvme_read_buffer_hits": self.hits,
+            "nvme_read_buffer_misses": self.misses,
+            "nvme_read_buffer_one_off": self.one_off,
+        }
 
 
 class TieredReadReply:
-    __slots__ = ("_buf", "_lengths", "_offsets", "_seg", "_tier", "_tiers", "nvme_bytes", "total")
+    __slots__ = (
+        "_buf",
+        "_lease",
+        "_lengths",
+        "_offsets",
+        "_pool",
+        "_seg",
+        "_tier",
+        "_tiers",
+        "nvme_bytes",
+        "total",
+    )
 
     def __init__(
         self,
@@ -42,19 +157,41 @@ class TieredReadReply:
         self.total = total
         self.nvme_bytes = sum(n for n, t in zip(lengths, tiers, strict=True) if t)
         self._buf: list[memoryview] | None = None
+        self._lease: ReadBuffer | None = None
+        self._pool: ReadBuffers | None = None
 
     def __len__(self) -> int:
         return len(self._offsets)
 
-    def load(self) -> None:
+    def load(self, pool: ReadBuffers | None = None) -> None:
         """Read every tier-1 range from the NVMe files into one page-aligned buffer
-        (``O_DIRECT`` where the file system takes it; blocking: a worker thread)."""
+        (``O_DIRECT`` where the file system takes it; blocking: a worker thread),
+        lent by ``pool`` (give it back with :meth:`release` once the reply is sent),
+        else a fresh mapping."""
         ranges = [
             (off, n)
             for off, n, t in zip(self._offsets, self._lengths, self._tiers, strict=True)
             if t
         ]
-        self._buf = self._tier.read_many(ranges)
+        if pool is None:
+            self._buf = self._tier.read_many(ranges)
+            return
+        lease = pool.acquire(self._tier.read_span(ranges))
+        try:
+            self._buf = self._tier.read_many(ranges, lease.view)
+        except BaseException:
+            pool.release(lease)
+            raise
+        self._lease, self._pool = lease, pool
+
+    def release(self) -> None:
+        """The reply went out (or never will): its buffer goes back to the pool.
+        Idempotent; the reply's views must not be used after it."""
+        self._buf = None
+        lease, pool = self._lease, self._pool
+        self._lease = self._pool = None
+        if lease is not None and pool is not None:
+            pool.release(lease)
 
     def batches(self, size: int = READ_BATCH) -> Iterator[list[memoryview]]:
         assert self._buf is not None or not self.nvme_bytes, "load() first"

@@ -491,28 +491,40 @@ class NvmeTier:
         self.reads += 1
         self.read_bytes += len(view)
 
-    def read_many(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
-        """Read ``(address, length)`` ranges into one page-aligned buffer, each with
-        ``O_DIRECT`` where the file takes it (whole 4 KiB blocks around the range,
-        which lie inside the object's padded record), so a read neither goes through
-        nor fills the page cache; returns one view of exactly each range."""
-        spans: list[tuple[_File, int, int, int]] = []  # file, aligned offset, span, skip
-        total = 0
+    def read_span(self, ranges: list[tuple[int, int]]) -> int:
+        """Bytes of page-aligned buffer :meth:`read_many` needs for ``ranges``."""
+        return max(sum(_align(span) for _, _, span, _ in self._spans(ranges)), BLOCK)
+
+    def _spans(self, ranges: list[tuple[int, int]]) -> list[tuple[_File, int, int, int]]:
+        """(file, file offset, span, skip) of each range: with ``O_DIRECT``, the whole
+        4 KiB blocks around it (inside the object's padded record)."""
+        spans: list[tuple[_File, int, int, int]] = []
         for address, n in ranges:
             region, off = divmod(address, self.region_size)
             f, foff = self._locate(region, off)
             if f.direct:
                 a0 = foff // BLOCK * BLOCK
-                span = _align(foff + n) - a0
-                spans.append((f, a0, span, foff - a0))
+                spans.append((f, a0, _align(foff + n) - a0, foff - a0))
             else:
                 spans.append((f, foff, n, 0))
-            total += _align(spans[-1][2])
-        buf = memoryview(
-            mmap.mmap(
-                -1, max(total, BLOCK), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        return spans
+
+    def read_many(
+        self, ranges: list[tuple[int, int]], buf: memoryview | None = None
+    ) -> list[memoryview]:
+        """Read ``(address, length)`` ranges into one page-aligned buffer, each with
+        ``O_DIRECT`` where the file takes it, so a read neither goes through nor
+        fills the page cache; returns one view of exactly each range. ``buf``: a
+        page-aligned buffer of at least :meth:`read_span` bytes to read into (the
+        daemon's pool, reused from READ to READ); else a fresh mapping."""
+        spans = self._spans(ranges)
+        total = max(sum(_align(span) for _, _, span, _ in spans), BLOCK)
+        if buf is None:
+            buf = memoryview(
+                mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
             )
-        )
+        elif len(buf) < total or _addr(buf) % BLOCK:
+            raise GCacheError(f"an NVMe read needs a page-aligned buffer of {total} bytes")
         out: list[memoryview] = []
         pos = 0
         for (f, start, span, skip), (_, n) in zip(spans, ranges, strict=True):
