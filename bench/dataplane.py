@@ -1,0 +1,189 @@
+"""CPU seconds per GB moved, per process, on the data paths (issue 12).
+
+Starts a local meta + one server, runs ``gcache-bench``'s own read and write
+operations (leased match + copy + verify + release; put = PutBegin + copy +
+checksum + PutCommit) at each size, transport and queue depth, and reads the CPU
+time (user + system) each process spent during the timed part from
+``/proc/PID/stat`` (the client is this process). ``--profile DIR`` attaches
+``py-spy record --native`` to the client, server and meta for each case and keeps
+the flame graphs' raw folded stacks there.
+
+    python -m bench.dataplane --sizes 1MiB,64MiB --transports tcp,shm --ops read,write
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import uvloop
+
+from gcache.benchtool import ops
+from gcache.benchtool.stats import Progress, Samples
+from gcache.config import ClientConfig, parse_size
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+async def _case(
+    cfg: ClientConfig,
+    op: str,
+    size: int,
+    qd: int,
+    iters: int,
+    pids: dict[str, int],
+    profile: str,
+) -> dict[str, Any]:
+    from gcache_client import AsyncGCacheClient
+
+    quiet = Progress("", 1, open(os.devnull, "w"))  # noqa: SIM115
+    async with AsyncGCacheClient(cfg) as client:
+        count = max(1, min(64, (256 << 20) // size))  # gcache-bench's own choice
+        ns = await ops.prepare_objects(client, size, count if op == "read" else 1)
+        kv = ops.raw_kv(ns.layout.spec)  # generated before the timed part
+        if op == "read":
+            # warm-up: connections, mapping, the first touch of the read buffers
+            await ops.run_read(client, ns, count, ops.Budget(2 * qd, 0), qd, quiet)
+        spies = _spy(pids, profile, f"{op}-{cfg.transport}-{size}") if profile else []
+        before = {name: cpu_s(pid) for name, pid in pids.items()}
+        t0 = time.perf_counter()
+        budget = ops.Budget(iters, 0)
+        s: Samples
+        if op == "read":
+            s = await ops.run_read(client, ns, count, budget, qd, quiet)
+        else:
+
+            async def put(i: int) -> int:
+                res = await client.put(ns, ops.batch_tokens(1000 + i, 1), kv)
+                if not res.ok or res.stored != 1:
+                    raise RuntimeError(f"write failed: {res}")
+                return size
+
+            s = Samples()
+
+            async def worker() -> None:
+                while budget.take():
+                    t = time.perf_counter()
+                    n = await put(budget.issued)
+                    s.add(t, time.perf_counter(), n)
+
+            await asyncio.gather(*(worker() for _ in range(qd)))
+        wall = time.perf_counter() - t0
+        after = {name: cpu_s(pid) for name, pid in pids.items()}
+        for p in spies:
+            p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        for p in spies:
+            p.wait()
+    moved = sum(s.nbytes)
+    cpu = {name: after[name] - before[name] for name in pids}
+    lat = sorted(e - b for b, e in zip(s.starts, s.ends, strict=True))
+    return {
+        "op": op,
+        "transport": cfg.transport,
+        "size": size,
+        "qd": qd,
+        "ops": len(lat),
+        "gbps": moved / wall / 1e9,
+        "p50_us": lat[len(lat) // 2] * 1e6,
+        "cpu_us_per_op": {k: v / len(lat) * 1e6 for k, v in cpu.items()},
+        "cpu_s_per_gb": {k: v / (moved / 1e9) for k, v in cpu.items()},
+        "cpu_s_per_gb_total": sum(cpu.values()) / (moved / 1e9),
+    }
+
+
+def _spy(pids: dict[str, int], folder: str, tag: str) -> list[subprocess.Popen[bytes]]:
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    out = []
+    for name, pid in pids.items():
+        path = os.path.join(folder, f"{tag}-{name}.txt")
+        out.append(
+            subprocess.Popen(
+                [
+                    exe,
+                    "record",
+                    "--native",
+                    "--threads",
+                    "-r",
+                    "250",
+                    "-f",
+                    "raw",
+                    "-o",
+                    path,
+                    "-p",
+                    str(pid),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    time.sleep(1.0)  # let py-spy attach before the timed part
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--sizes", default="1MiB,16MiB")
+    p.add_argument("--transports", default="tcp,shm")
+    p.add_argument("--ops", default="read,write")
+    p.add_argument("--qd", type=int, default=4)
+    p.add_argument("--bytes", default="1GiB", help="bytes moved per case (at most 2000 ops)")
+    p.add_argument("--capacity", default="1GiB", help="the server's segment")
+    p.add_argument("--profile", default="", help="folder for py-spy raw stacks")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    from gcache.cli.deploy import LocalDeployment
+
+    rows = []
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gcache-dp-") as tmp:
+        d = LocalDeployment(tmp, servers=1, capacity=args.capacity, metrics_port=-1)
+        d.start()
+        try:
+            assert d.meta is not None
+            pids = {
+                "client": os.getpid(),
+                "server": d.servers[0].popen.pid,
+                "meta": d.meta.popen.pid,
+            }
+            for transport in args.transports.split(","):
+                for size_s in args.sizes.split(","):
+                    size = parse_size(size_s)
+                    iters = max(20, min(2000, parse_size(args.bytes) // size))
+                    for op in args.ops.split(","):
+                        cfg = d.client_config(transport=transport, timeout_s=30.0)
+                        row = uvloop.run(_case(cfg, op, size, args.qd, iters, pids, args.profile))
+                        rows.append(row)
+                        us = row["cpu_us_per_op"]
+                        print(
+                            f"{op:<5} {transport:<3} {size_s:>6} qd{args.qd} "
+                            f"{row['gbps']:6.2f} GB/s p50 {row['p50_us']:8.0f} us | CPU us/op "
+                            f"client {us['client']:7.0f} server {us['server']:7.0f} "
+                            f"meta {us['meta']:6.0f} | CPU s/GB {row['cpu_s_per_gb_total']:.3f}",
+                            flush=True,
+                        )
+        finally:
+            d.stop()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Copy and checksum fused in one pass over the bytes, without the GIL (issue 12).
+
+The data plane's per-byte work: a shared-memory read copies an object's ranges
+out of the mapped segment and verifies each layer's checksum; a put checksums
+each layer (and, over shared memory, copies it into the segment); a TCP read
+verifies what it received. :func:`copy_checksums` and :func:`checksums` do that
+for a whole list of pieces in one call: in C (``_dataplane.c``), releasing the
+GIL, hashing each 32 KiB step right after copying it (while it is in cache), and
+splitting calls of several MiB across threads.
+
+A *unit* is ``group`` consecutive pieces (a layer's K then V: ``group=2``); each
+unit's checksum is 8 bytes, ``xxhash.xxh3_64(b"".join(unit)).digest()``, the one
+checksum every writer and reader of GCache uses (``CHECKSUM``). The pure-Python
+path (:mod:`gcache._native.fallback`, numpy copies and the ``xxhash`` package)
+gives the same bytes; it is used when ``GCACHE_NATIVE=0`` or the extension was not
+built, and the tests run both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Final
+
+from gcache._native import fallback
+
+__all__ = ["CHECKSUM", "NATIVE", "checksums", "copy_checksums", "set_threads", "verify"]
+
+CHECKSUM: Final = "xxh3-64"
+Buffer = memoryview | bytes | bytearray
+
+log = logging.getLogger("gcache.native")
+
+try:
+    from gcache._native import _dataplane
+except ImportError as exc:  # a build without the extension: still correct, slower
+    log.warning("native data plane unavailable (%s): using the Python path", exc)
+    _dataplane = None  # type: ignore[assignment]
+
+NATIVE: Final = _dataplane is not None and os.environ.get("GCACHE_NATIVE", "1") != "0"
+
+
+def checksums(src: Sequence[Buffer], group: int) -> bytes:
+    """One 8-byte checksum per ``group`` consecutive pieces of ``src``."""
+    if NATIVE:
+        return _dataplane.checksums(src, group)
+    return fallback.checksums(src, group)
+
+
+def copy_checksums(
+    dst: Sequence[Buffer], src: Sequence[Buffer], group: int, *, hash_src: bool = False
+) -> bytes:
+    """Copy ``src[i]`` into ``dst[i]`` (equal lengths, not overlapping) and return
+    the checksum of every ``group`` pieces, computed in the same pass: over the
+    bytes written to ``dst`` (a read: what the caller gets is what is verified),
+    or over ``src`` with ``hash_src`` (a write: the caller's own bytes)."""
+    if NATIVE:
+        return _dataplane.copy_checksums(dst, src, group, hash_src)
+    return fallback.copy_checksums(dst, src, group, hash_src)
+
+
+def verify(src: Sequence[Buffer], group: int, want: bytes) -> bool:
+    """Whether every unit of ``src`` hashes to its 8 bytes of ``want``."""
+    return checksums(src, group) == want
+
+
+def set_threads(n: int) -> int:
+    """Threads one large call is split across (default: the CPUs, at most 4).
+    Returns the previous setting."""
+    if NATIVE:
+        return _dataplane.set_threads(n)
+    return fallback.set_threads(n)
