@@ -1,0 +1,303 @@
+"""Time to first token in vLLM (CPU) for a long prompt whose prefix was seen before,
+three ways in one run:
+
+* ``cold``: the prompt in a vLLM instance that has never seen it;
+* ``ideal``: the same instance again, with a new ending after the same prefix:
+  vLLM's own prefix cache holds the prefix (the best any KV store can do);
+* ``gcache``: a *fresh* vLLM instance whose own cache is empty, with
+  ``GCacheConnector``: the prefix is loaded from GCache (stored there by another
+  vLLM instance that ran the first prompt), the ending computed.
+
+Run with the vLLM environment (``make venv-vllm``)::
+
+    .venv-vllm/bin/python bench/vllm_ttft.py            # 8192-token prompts, 7680 seen
+
+Each way runs ``--repeat`` prompts (distinct prefixes, so no repetition hits a
+cache it should not); the table shows medians and ``gcache / ideal``. The model
+is a Llama (seeded random weights written as a safetensors checkpoint, loaded
+normally), wide enough that the cold prefill takes seconds on a small CPU. Every
+vLLM instance runs in its own process (the ``--phase`` entry points below), with
+the same settings; GCache is a real ``gcache up`` (``LocalDeployment``) with one
+server on this machine (shared-memory transport).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VOCAB = 4096
+
+
+# ---- the model ------------------------------------------------------------------------
+
+
+def write_llama(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: int) -> Path:
+    """A Llama checkpoint (config.json + model.safetensors) from a fixed seed."""
+    import torch
+    from safetensors.torch import save_file
+
+    head_dim = hidden // heads
+    inter = 3 * hidden
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, scale: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * (scale or shape[-1] ** -0.5)
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "float32",
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": rand(VOCAB, hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = torch.ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        t[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
+        t[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        t[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
+        t[p + "mlp.up_proj.weight"] = rand(inter, hidden)
+        t[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(t, str(out / "model.safetensors"))
+    return out
+
+
+def prompts(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """Per repetition: a prefix, the first ending (run by cold / the writer) and a
+    second ending (ideal / the GCache reader). Random tokens from a fixed seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    out: dict[str, list[list[int]]] = {"first": [], "second": [], "warm": []}
+    for _ in range(args.repeat):
+        prefix = rng.integers(3, VOCAB, args.prefix).tolist()
+        out["first"].append(prefix + rng.integers(3, VOCAB, args.suffix).tolist())
+        out["second"].append(prefix + rng.integers(3, VOCAB, args.suffix).tolist())
+    out["warm"].append(rng.integers(3, VOCAB, 300).tolist())
+    return out
+
+
+# ---- one vLLM instance (a child process) ---------------------------------------------
+
+
+def make_llm(args: argparse.Namespace, connector: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if connector is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="GCacheConnector",
+            kv_connector_module_path="gcache_client.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=connector,
+        )
+    return LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.1,
+        max_model_len=args.prefix + args.suffix + 64,
+        max_num_batched_tokens=args.batched_tokens,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        seed=0,
+        **kw,
+    )
+
+
+def ttft(llm: Any, ids: list[int]) -> tuple[float, int]:
+    """Seconds until the first token of ``ids`` (one request, max_tokens=1), and it."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    return time.perf_counter() - t0, int(out[0].outputs[0].token_ids[0])
+
+
+def counters(llm: Any) -> dict[str, int]:
+    got: dict[str, int] = {"external_tokens": 0, "local_cache_tokens": 0, "external_hits": 0}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_by_source":
+            src = m.labels.get("source", "")
+            if src == "external_kv_transfer":
+                got["external_tokens"] += int(m.value)
+            elif src == "local_cache_hit":
+                got["local_cache_tokens"] += int(m.value)
+        elif m.name == "vllm:external_prefix_cache_hits":
+            got["external_hits"] += int(m.value)
+        elif m.name == "vllm:external_prefix_cache_queries":
+            got["external_queries"] = got.get("external_queries", 0) + int(m.value)
+        elif m.name == "vllm:prompt_tokens":
+            got["prompt_tokens"] = got.get("prompt_tokens", 0) + int(m.value)
+    return got
+
+
+def phase(args: argparse.Namespace) -> dict[str, Any]:
+    ps = prompts(args)
+    connector = json.loads(args.connector) if args.connector else None
+    llm = make_llm(args, connector)
+    ttft(llm, ps["warm"][0])  # first-request overheads out of the way
+    res: dict[str, Any] = {}
+    if args.phase == "local":
+        res["cold"] = [ttft(llm, p) for p in ps["first"]]
+        res["ideal"] = [ttft(llm, p) for p in ps["second"]]
+    elif args.phase == "writer":
+        res["writer"] = [ttft(llm, p) for p in ps["first"]]
+        time.sleep(args.settle)  # background stores finish
+    else:
+        res["gcache"] = [ttft(llm, p) for p in ps["second"]]
+    res["counters"] = counters(llm)
+    return res
+
+
+# ---- the driver -----------------------------------------------------------------------
+
+
+def run_phase(args: argparse.Namespace, name: str, connector: dict[str, Any] | None) -> Any:
+    cmd = [sys.executable, __file__, "--phase", name, "--model", args.model]
+    for opt in ("prefix", "suffix", "repeat", "batched_tokens", "settle"):
+        cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+    if connector is not None:
+        cmd += ["--connector", json.dumps(connector)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
+    print(f"[{name}] starting a vLLM instance ...", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"phase {name} failed with exit code {proc.returncode}")
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    print(f"[{name}] done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return json.loads(line[len("RESULT ") :])
+
+
+def main_driver(args: argparse.Namespace) -> None:
+    from gcache.cli.deploy import LocalDeployment
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.model:
+            args.model = str(
+                write_llama(
+                    Path(tmp) / "model",
+                    hidden=args.hidden,
+                    layers=args.layers,
+                    heads=args.heads,
+                    kv_heads=args.kv_heads,
+                )
+            )
+        local = run_phase(args, "local", None)
+        with LocalDeployment(Path(tmp) / "gc", servers=1, capacity=args.capacity) as d:
+            conn = {
+                "meta": d.meta_addr,
+                "meta_grpc": d.meta_grpc,
+                "transport": args.transport,
+                "model_id": "bench/vllm-ttft",
+            }
+            writer = run_phase(args, "writer", conn)
+            reader = run_phase(args, "reader", conn)
+            meta = d.stats()
+    cold = [t for t, _ in local["cold"]]
+    ideal = [t for t, _ in local["ideal"]]
+    gc = [t for t, _ in reader["gcache"]]
+    same = [a[1] == b[1] for a, b in zip(local["ideal"], reader["gcache"], strict=True)]
+    row = {
+        "cold_s": statistics.median(cold),
+        "ideal_s": statistics.median(ideal),
+        "gcache_s": statistics.median(gc),
+        "runs": {"cold": cold, "ideal": ideal, "gcache": gc},
+        "gcache_over_ideal": statistics.median(gc) / statistics.median(ideal),
+        "first_tokens_equal": all(same),
+        "local_counters": local["counters"],
+        "writer_counters": writer["counters"],
+        "reader_counters": reader["counters"],
+        "meta_objects": getattr(meta, "objects", None),
+    }
+    n = args.prefix + args.suffix
+    print()
+    print(
+        f"prompt {n} tokens, first {args.prefix} seen before; Llama {args.layers} layers x "
+        f"{args.hidden} ({args.heads} heads, {args.kv_heads} KV heads), float32, "
+        f"{args.repeat} prompts each"
+    )
+    print(f"{'way':<8} {'TTFT median [s]':>16} {'vs ideal':>9}   runs [s]")
+    for name, runs in (("cold", cold), ("ideal", ideal), ("gcache", gc)):
+        med = statistics.median(runs)
+        print(
+            f"{name:<8} {med:>16.3f} {med / row['ideal_s']:>8.2f}x   "
+            + " ".join(f"{r:.3f}" for r in runs)
+        )
+    rc = reader["counters"]
+    print(
+        f"reader: {rc['external_tokens']} prompt tokens loaded from GCache "
+        f"(vLLM external_kv_transfer), local cache {rc['local_cache_tokens']}; "
+        f"ideal run's local cache tokens {local['counters']['local_cache_tokens']}; "
+        f"first tokens equal: {row['first_tokens_equal']}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefix", type=int, default=7680, help="tokens seen before")
+    ap.add_argument("--suffix", type=int, default=512, help="new tokens after them")
+    ap.add_argument("--repeat", type=int, default=3, help="prompts per way")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--batched-tokens", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--capacity", default="1GiB", help="the GCache server's capacity")
+    ap.add_argument("--transport", default="shm", choices=("shm", "tcp"))
+    ap.add_argument("--settle", type=float, default=3.0, help="s for the writer's stores")
+    ap.add_argument("--model", default="", help="a checkpoint dir (default: write one)")
+    ap.add_argument("--json", default="", help="write the results here too")
+    ap.add_argument("--phase", choices=("local", "writer", "reader"), help=argparse.SUPPRESS)
+    ap.add_argument("--connector", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase:
+        print("RESULT " + json.dumps(phase(args)), flush=True)
+    else:
+        main_driver(args)
+
+
+if __name__ == "__main__":
+    main()
