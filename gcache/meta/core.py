@@ -81,6 +81,8 @@ COUNTERS = (
     "nvme_evictions",
     "nvme_lost",
     "adopt_overflow",
+    "adopt_paused",
+    "stalls",
     "promotions_issued",
     "promotions_done",
     "promotions_failed",
@@ -246,6 +248,14 @@ class MetaCore(Rebuild):
         self.counters["sessions_ended"] += 1
 
     # ---- time ----------------------------------------------------------------------
+
+    def stalled(self, seconds: float) -> None:
+        """The meta itself was not listening for ``seconds`` (its driver saw its
+        event loop that late: a long rebuild step, a stalled host): the servers get
+        that time as credit, so none is dropped for heartbeats nobody read."""
+        for srv in self.servers.values():
+            srv.last_seen += seconds
+        self.counters["stalls"] += 1
 
     def tick(self, now: float) -> None:
         """Expire leases and abandoned puts, return quarantined ranges whose grants

@@ -31,6 +31,7 @@ from gcache.startup import (
 
 log = logging.getLogger("gcache.meta")
 TICK_S = 0.1
+STALL_S = 1.0  # a tick this late: the loop was blocked, servers get the time back
 
 
 async def run(cfg: MetaConfig) -> None:
@@ -68,10 +69,17 @@ async def run(cfg: MetaConfig) -> None:
         loop.add_signal_handler(sig, stopping.set)
 
     async def ticker() -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(TICK_S)
             try:
-                core.tick(time.monotonic())
+                now = time.monotonic()
+                late = now - last - TICK_S
+                last = now
+                if late > STALL_S:
+                    log.warning("the meta's event loop stalled for %.1f s", late)
+                    core.stalled(late)
+                core.tick(now)
             except Exception:
                 log.exception("tick failed")
 

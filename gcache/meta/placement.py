@@ -159,18 +159,30 @@ class Placement(IndexStore):
 
     def _below_low_watermark(self) -> bool:
         used = cap = 0
-        for srv in self._live_servers():
+        for srv in self._ready_servers():
             used += srv.reclaimable_used
             cap += srv.allocator.capacity
         return used < self.cfg.low_watermark * cap
 
     def _live_servers(self) -> list[ServerRecord]:
-        """Servers new data may go to: alive, and their report complete (a server
-        still reporting what it holds may hold live data in any range)."""
+        """Servers new data may go to: alive, their report complete (a server still
+        reporting what it holds may hold live data in any range), and their manifest
+        outbox below ``adopt_outbox`` (backpressure: a server whose commits are not
+        recorded yet takes no new placements until a heartbeat drains it, so every
+        commit reaches its manifest)."""
         live = self._live
         if live is None:
-            live = self._live = [s for s in self.servers.values() if s.alive and s.ready]
+            bound = self.cfg.adopt_outbox
+            live = self._live = [
+                s
+                for s in self.servers.values()
+                if s.alive and s.ready and len(s.adopt_out) < bound
+            ]
         return live
+
+    def _ready_servers(self) -> list[ServerRecord]:
+        """Alive servers with their report complete (placement paused or not)."""
+        return [s for s in self.servers.values() if s.alive and s.ready]
 
     def _placed(self, srv: ServerRecord, size: int, now: float) -> None:
         """Count ``size`` bytes placed on ``srv`` in its recent write load, which
@@ -182,7 +194,7 @@ class Placement(IndexStore):
         srv.recent_write += size
 
     def live_capacity(self) -> int:
-        return sum(s.allocator.capacity for s in self._live_servers())
+        return sum(s.allocator.capacity for s in self._ready_servers())
 
     def _allocate(
         self, size: int, budget: Budget, now: float = 0.0

@@ -64,6 +64,7 @@ class IndexStore:
     # grants may still be presented; they return to the allocator only after.
     quarantine: list[tuple[float, int, ServerRecord, int, int]]
     _qseq: itertools.count[int]
+    _live: list[ServerRecord] | None  # servers placement may use (Placement)
 
     def _pol(self, obj: ObjectRecord) -> EvictionPolicy:
         return self.nvme_policy if obj.tier else self.policy
@@ -95,12 +96,20 @@ class IndexStore:
 
     def _record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
         """Queue a committed DRAM object for its server's manifest (the next
-        heartbeat reply's ``adopt``); bounded: past ``adopt_outbox`` it is counted
-        and left unrecorded (a restart loses it; nothing wrong is ever served)."""
+        heartbeat reply's ``adopt``). Lossless and bounded: once ``adopt_outbox``
+        commits wait, the server takes no new placements (``Placement._live_servers``)
+        until a heartbeat drains it; only puts placed before that may still add to
+        it (at most the pending puts' objects on that server), counted as
+        ``adopt_overflow``."""
         srv = obj.server
-        if len(srv.adopt_out) < self.cfg.adopt_outbox:
-            srv.adopt_out.append((obj, ns))
-        else:
+        out = srv.adopt_out
+        out.append((obj, ns))
+        n = len(out)
+        bound = self.cfg.adopt_outbox
+        if n == bound:
+            self._live = None  # placement pauses on this server
+            self.counters["adopt_paused"] += 1
+        elif n > bound:
             srv.adopt_overflow += 1
             self.counters["adopt_overflow"] += 1
 

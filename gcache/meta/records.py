@@ -44,7 +44,13 @@ class RingNode:
     def unlink(self) -> None:
         self.prev_on.next_on = self.next_on
         self.next_on.prev_on = self.prev_on
-        self.prev_on = self.next_on = self
+        # Not a self-loop: an object out of its ring is in no reference cycle, so
+        # reference counting frees it (the rebuilt index is frozen out of the cyclic
+        # collector, see meta/control.py GcPause).
+        self.prev_on = self.next_on = DETACHED
+
+
+DETACHED = RingNode()  # where an unlinked node points
 
 
 class ObjectRecord(RingNode):
@@ -76,7 +82,7 @@ class ObjectRecord(RingNode):
         owner: str = "",
         tier: int = 0,
     ) -> None:
-        self.prev_on = self.next_on = self  # RingNode.__init__, inlined (hot in rebuilds)
+        self.prev_on = self.next_on = DETACHED  # not in a ring yet (no reference cycle)
         self.entry = entry
         self.group = group
         self.server = server

@@ -414,11 +414,14 @@ class Tiers(Leases):
             self.promoted(srv, pr)
         # Order matters to the server: free, then adopt, then demote.
         out.free, srv.freed = srv.freed, []
+        paused = len(srv.adopt_out) >= self.cfg.adopt_outbox
         out.adopt = [
             (o, ns)
             for o, ns in _take(srv.adopt_out, MAX_ADOPT_PER_REPLY)
             if o.state == LIVE and o.tier == 0
         ]
+        if paused and len(srv.adopt_out) < self.cfg.adopt_outbox:
+            self._live = None  # drained below the bound: placement resumes
         out.demote = _take(srv.demote_out, MAX_DEMOTE_PER_REPLY)
         out.drop_nvme = _take(srv.drop_out, MAX_DROP_PER_REPLY)
         out.promote = _take(srv.promote_out, MAX_PROMOTE_PER_REPLY)

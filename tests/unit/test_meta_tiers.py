@@ -403,3 +403,50 @@ def test_a_restarted_empty_server_is_not_flooded() -> None:
     total = sum(counts.values())
     assert counts["s2"] < 0.6 * total, counts  # it used to take every new write
     assert counts["s2"] > counts["s0"], counts  # but it does take more
+
+
+# ---- adopt outbox: lossless, bounded by backpressure (issue 10 round 2, N4) ------------
+
+
+def test_full_adopt_outbox_pauses_placement_and_loses_no_commit() -> None:
+    """Commits past ``adopt_outbox`` were counted and left out of the server's
+    manifest (lost on a restart). Now a server whose outbox is full takes no new
+    placements until a heartbeat drains it, and every commit reaches the manifest."""
+    core, fp = make(servers=2, capacity=4 * MB, nvme=0, adopt_outbox=8)
+    s0, s1 = core.servers["s0"], core.servers["s1"]
+    committed: set[tuple[str, int]] = set()
+    adopted: set[tuple[str, int]] = set()
+    paused_seen = False
+    for p in range(30):
+        placed = put(core, fp, toks(p), float(p))
+        for pl in placed.placements:
+            committed.add((placed.servers[pl.server].server_id, pl.grant.offset))
+        for srv in (s0, s1):
+            # Never more than the bound plus what one put placed before the pause.
+            assert len(srv.adopt_out) <= 8 + 6
+            if len(srv.adopt_out) >= 8:
+                paused_seen = True
+                assert srv not in core._live_servers()
+        if p % 5 == 4:  # a heartbeat now and then drains both outboxes
+            for sid in ("s0", "s1"):
+                out = heartbeat(core, sid, float(p) + 0.5)
+                adopted |= {(sid, o.offset) for o, _ in out.adopt}
+    assert paused_seen and core.counters["adopt_paused"] > 0
+    for sid in ("s0", "s1"):
+        for _ in range(10):
+            adopted |= {(sid, o.offset) for o, _ in heartbeat(core, sid, 99.0).adopt}
+    live = {(o.server.server_id, o.offset) for o in tier_objects(core, fp, 0)}
+    assert live <= committed
+    assert live <= adopted, "a committed object never reached its server's manifest"
+    # Drained: both servers take placements again.
+    assert s0 in core._live_servers() and s1 in core._live_servers()
+
+
+def test_single_server_with_a_full_outbox_answers_no_space_until_drained() -> None:
+    core, fp = make(servers=1, capacity=4 * MB, nvme=0, adopt_outbox=4)
+    first = put(core, fp, toks(0), 0.0)
+    assert len(first.placements) >= 4
+    blocked = put(core, fp, toks(1), 1.0)
+    assert not blocked.placements and blocked.no_space
+    heartbeat(core, "s0", 2.0)  # drains the outbox
+    assert put(core, fp, toks(1), 3.0).placements
