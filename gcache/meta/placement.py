@@ -174,9 +174,7 @@ class Placement(IndexStore):
         if live is None:
             bound = self.cfg.adopt_outbox
             live = self._live = [
-                s
-                for s in self.servers.values()
-                if s.alive and s.ready and len(s.adopt_out) < bound
+                s for s in self.servers.values() if s.alive and s.ready and len(s.adopt_out) < bound
             ]
         return live
 
