@@ -4,6 +4,8 @@ gcache-bench write -a --local               # sweep 4 KiB .. 64 MiB on a local d
 gcache-bench read -s 1MiB -D 5 --qd 8 --meta 127.0.0.1:7700
 gcache-bench get_layers --prompt 32768 --local
 gcache-bench lookup --local --index-blocks 1000000
+gcache-bench write -s 1MiB --tier nvme --nvme-dir /mnt/nvme   # demotion to NVMe
+gcache-bench read -s 16MiB --tier nvme --nvme-dir /mnt/nvme   # reads from NVMe
 """
 
 from __future__ import annotations
@@ -90,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="lookup: blocks indexed before measuring",
     )
     p.add_argument("--lease", action="store_true", help="lookup: leased lookups (+ release)")
+    p.add_argument(
+        "--tier",
+        choices=["dram", "nvme"],
+        default="dram",
+        help="write/read: the DRAM segment, or the server's NVMe tier (write: demotion "
+        "bandwidth; read: reads of demoted objects; -n: objects, default 1 GiB of them)",
+    )
+    p.add_argument("--nvme-dir", default="", help="--local --tier nvme: directory of the NVMe tier")
     p.add_argument("--json", help="write the rows as JSON to this file")
     return p
 
@@ -116,6 +126,12 @@ def check_args(args: argparse.Namespace) -> list[int]:
         raise SystemExit("gcache-bench: -n must be >= 1")
     if args.duration is not None and args.duration <= 0:
         raise SystemExit("gcache-bench: -D must be > 0")
+    if args.tier == "nvme" and args.op not in ("write", "read"):
+        raise SystemExit("gcache-bench: --tier nvme measures write or read")
+    if args.tier == "nvme" and (args.clients != 1 or args.batch != 1):
+        raise SystemExit("gcache-bench: --tier nvme runs one client, --batch 1")
+    if args.nvme_dir and not os.path.isdir(args.nvme_dir):
+        raise SystemExit(f"gcache-bench: --nvme-dir {args.nvme_dir}: no such directory")
     if args.op in ("get_layers", "lookup"):
         if args.size or args.all:
             raise SystemExit(f"gcache-bench: {args.op} takes --prompt, not -s/-a")
@@ -175,6 +191,44 @@ def _child(args: dict[str, Any], client_id: int, out: Any) -> None:
         out.put((client_id, _run(_data_op(args, client_id)).to_json(), ""))
     except Exception as exc:  # reported by the parent
         out.put((client_id, None, f"{type(exc).__name__}: {exc}"))
+
+
+def run_tier(args: argparse.Namespace, size: int, cfg: ClientConfig) -> dict[str, Any]:
+    """``--tier nvme`` (gcache/benchtool/tiers.py)."""
+    from gcache.benchtool.tiers import default_count, run_nvme
+    from gcache.cli.deploy import fetch_stats
+
+    job = {
+        "op": args.op,
+        "size": size,
+        "qd": args.qd,
+        "client": cfg,
+        "count": args.iters or default_count(size),
+        "iters": args.iters if args.op == "read" else 0,
+        "seconds": args.duration or 0.0,
+    }
+
+    def stats() -> dict[str, float]:
+        return dict(fetch_stats(cfg.meta_grpc).counters)
+
+    samples, extra = _run(run_nvme(job, stats))
+    if samples is None:  # write: the demotion bandwidth
+        gbps = extra["demotion_gbps"]
+        return {
+            "op": "write",
+            "transport": "nvme",
+            "bytes": size,
+            "iterations": int(extra["demoted_bytes"] // size),
+            "bw_peak_gbps": gbps,
+            "bw_avg_gbps": gbps,
+            "mops": gbps * 1e9 / size / 1e6,
+            "lat_p50_us": None,
+            "lat_p99_us": None,
+            "lat_p999_us": None,
+            "wall_s": extra["demotion_s"],
+            **extra,
+        }
+    return summarize("read", "nvme", size, samples, qd=args.qd, **extra)
 
 
 def run_data(args: argparse.Namespace, size: int, cfg: ClientConfig) -> dict[str, Any]:
@@ -386,23 +440,37 @@ def bench(args: argparse.Namespace, sizes: list[int]) -> int:
     else:
         from gcache.cli.deploy import LocalDeployment
 
-        tmp = tempfile.TemporaryDirectory(prefix="gcache-bench-")
+        nvme = args.tier == "nvme"
+        tmp = tempfile.TemporaryDirectory(prefix="gcache-bench-", dir=args.nvme_dir or None)
         capacity = args.capacity or {"lookup": "2TiB", "get_layers": "2GiB"}.get(args.op, "4GiB")
+        server_args = ["--no-populate", "--no-reserve"] if args.op == "lookup" else []
+        nvme_size = "0"
+        meta_args = ["--high-watermark", "0.95", "--low-watermark", "0.9"]
+        if nvme:  # a small DRAM segment: most of what is written goes on to NVMe
+            from gcache.benchtool.tiers import WATERMARKS, default_count
+
+            meta_args = WATERMARKS
+
+            big = max(sizes)
+            capacity = args.capacity or str(max(128 << 20, 8 * big))
+            nvme_size = str(2 * big * (args.iters or default_count(big)) + (512 << 20))
+            server_args = ["--heartbeat-interval-s", "0.1"]
         deployment = LocalDeployment(
             tmp.name,
             servers=1,
             capacity=capacity,
             metrics_port=-1,
-            meta_args=["--high-watermark", "0.95", "--low-watermark", "0.9"],
+            meta_args=meta_args,
             # lookup indexes blocks without writing them: a sparse segment suffices
-            server_args=["--no-populate", "--no-reserve"] if args.op == "lookup" else [],
+            server_args=server_args,
+            nvme_size=nvme_size,
         )
         deployment.start()
         meta, meta_grpc = deployment.meta_addr, deployment.meta_grpc
     cfg = client_config(args, meta, meta_grpc)
     rows: list[dict[str, Any]] = []
     print(
-        f"# gcache-bench {args.op}  transport {args.transport}  qd {args.qd}  "
+        f"# gcache-bench {args.op}  tier {args.tier}  transport {args.transport}  qd {args.qd}  "
         f"clients {args.clients}  meta {meta}",
         flush=True,
     )
@@ -410,7 +478,7 @@ def bench(args: argparse.Namespace, sizes: list[int]) -> int:
         if args.op in ("write", "read"):
             print(HEADER, flush=True)
             for size in sizes:
-                row = run_data(args, size, cfg)
+                row = (run_tier if args.tier == "nvme" else run_data)(args, size, cfg)
                 rows.append(row)
                 print(format_row(row), flush=True)
         elif args.op == "get_layers":
