@@ -5,9 +5,9 @@
   above its high watermark (0.5 in a ``--local`` run) the meta demotes them and
   the server copies them to its NVMe tier (``O_DIRECT`` appends, one
   ``fdatasync`` per heartbeat's batch). The bandwidth is the meta's
-  ``demoted_bytes`` counter over the time it grew: from the last sample before the first demotion was reported to the first sample
-  with the final value (sampled every 20 ms, so the interval is never shorter
-  than the real one).
+  ``demoted_bytes`` counter over the time it grew: from the last sample before
+  the first demotion was reported to the first sample with the final value
+  (sampled every 20 ms, so the interval is never shorter than the real one).
 * ``read``: the same fill (untimed), then every object the meta lists on tier 1 is
   read back through the client over TCP (``match`` with a lease, the server's
   ``O_DIRECT`` read into a pooled buffer, the reply, the checksum check,
