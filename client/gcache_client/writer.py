@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
+from gcache import _native as native
 from gcache import keys as keymod
 from gcache import layout as laymod
 from gcache import wire
@@ -65,27 +65,32 @@ def check_kv(
     return out
 
 
+def object_payload(
+    layout: laymod.Layout,
+    views: list[tuple[np.ndarray, np.ndarray, int]],
+    block: int,
+    group: int,
+) -> list[memoryview]:
+    """The object's bytes as a list of views into the caller's arrays: K then V of
+    each layer of the group (each layer's pair is one checksummed unit)."""
+    bs = layout.block_size
+    payload: list[memoryview] = []
+    for layer in layout.group_layers[group]:
+        k, v, start = views[layer]
+        lo = block * bs - start
+        payload += (arrays.byte_view(k[lo : lo + bs]), arrays.byte_view(v[lo : lo + bs]))
+    return payload
+
+
 def object_views(
     layout: laymod.Layout,
     views: list[tuple[np.ndarray, np.ndarray, int]],
     block: int,
     group: int,
 ) -> tuple[list[memoryview], bytes]:
-    """The object's bytes as a list of views into the caller's arrays (K then V
-    of each layer of the group), and its per-layer checksums."""
-    bs = layout.block_size
-    payload: list[memoryview] = []
-    sums = bytearray()
-    for layer in layout.group_layers[group]:
-        k, v, start = views[layer]
-        lo = block * bs - start
-        kv_ = arrays.byte_view(k[lo : lo + bs])
-        vv = arrays.byte_view(v[lo : lo + bs])
-        payload += (kv_, vv)
-        h = xxhash.xxh3_64(kv_)
-        h.update(vv)
-        sums += h.digest()
-    return payload, bytes(sums)
+    """:func:`object_payload` and its per-layer checksums (xxh3-64 of K then V)."""
+    payload = object_payload(layout, views, block, group)
+    return payload, native.checksums(payload, 2)
 
 
 # ---- lookup -----------------------------------------------------------------------
@@ -152,15 +157,16 @@ class Writer:
             ):
                 log.warning("put: placement for block %d outside the rows we hold", p.block)
                 return None
-            payload, sums = object_views(layout, views, p.block, p.group)
+            payload = object_payload(layout, views, p.block, p.group)
             async with sem:
                 try:
                     addr = placed.servers[p.server]
                     seg = self._pool.mapped(addr)
                     if seg is not None:
-                        g = p.grant
-                        seg.write_granted(g.offset, g.length, g.expiry_ms, payload)
+                        g = p.grant  # copy + per-layer checksums in one pass
+                        sums = seg.write_checksums(g.offset, g.length, g.expiry_ms, payload, 2)
                         return pi, sums, None
+                    sums = native.checksums(payload, 2)
                     conn = await self._pool.server(addr)
                     reply: wire.Ok = await conn.call(
                         wire.Write(p.grant), payload, timeout=self._client.config.timeout_s

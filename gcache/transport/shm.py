@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from gcache import _native as native
 from gcache.errors import E_ACCESS_DENIED, E_OUT_OF_RANGE, AccessDenied, ConnectionLost
 
 _BLOCK = 512  # st_blocks unit
@@ -150,6 +151,68 @@ class MappedSegment:
         if now_ms() >= expiry_ms:
             raise AccessDenied(E_ACCESS_DENIED, "grant expired during the copy")
         return n
+
+    def read_checksums(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        dest: Sequence[memoryview],
+        group: int,
+        expiry_ms: int,
+    ) -> bytes:
+        """``read_leased`` with the checksums of what was copied, in the same pass
+        (:func:`gcache._native.copy_checksums`, without the GIL): one 8-byte
+        checksum per ``group`` ranges, taken over the bytes that landed in
+        ``dest``. The caller compares them with the checksums the meta holds."""
+        if now_ms() >= expiry_ms:
+            raise AccessDenied(E_ACCESS_DENIED, "grant expired")
+        with self.hold():
+            sums = self._copy(dest, ranges, group, into_segment=False)
+        if now_ms() >= expiry_ms:
+            raise AccessDenied(E_ACCESS_DENIED, "grant expired during the copy")
+        return sums
+
+    def write_checksums(
+        self, offset: int, length: int, expiry_ms: int, payload: Sequence[memoryview], group: int
+    ) -> bytes:
+        """``write_granted`` that also returns the checksum of every ``group``
+        payload pieces (a layer's K then V), computed over the caller's bytes in the
+        same pass as the copy."""
+        if now_ms() >= expiry_ms:
+            raise AccessDenied(E_ACCESS_DENIED, "grant expired")
+        n = sum(v.nbytes for v in payload)
+        if n != length:
+            raise AccessDenied(E_OUT_OF_RANGE, f"payload {n} B for a grant of {length} B")
+        self._check(offset, length)
+        spans = []
+        pos = offset
+        for v in payload:
+            spans.append((pos, v.nbytes))
+            pos += v.nbytes
+        with self.hold():
+            return self._copy(payload, spans, group, into_segment=True)
+
+    def _copy(
+        self,
+        views: Sequence[memoryview],
+        spans: Sequence[tuple[int, int]],
+        group: int,
+        into_segment: bool,
+    ) -> bytes:
+        """Copy between ``views`` and the segment ``spans`` (under :meth:`hold`),
+        checksumming the private side. The segment views are released before the
+        hold ends, so a retired mapping can be unmapped by its last user."""
+        seg = self.view
+        parts = []
+        try:
+            for off, length in spans:
+                self._check(off, length)
+                parts.append(seg[off : off + length])
+            if into_segment:
+                return native.copy_checksums(parts, views, group, hash_src=True)
+            return native.copy_checksums(views, parts, group)
+        finally:
+            for part in parts:
+                part.release()
 
     def write_granted(
         self, offset: int, length: int, expiry_ms: int, payload: Sequence[memoryview]
