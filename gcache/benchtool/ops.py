@@ -25,7 +25,7 @@ import numpy as np
 from gcache import keys as keymod
 from gcache import wire
 from gcache.benchtool.stats import Progress, Samples
-from gcache.layout import LayerSpec, LayoutSpec
+from gcache.layout import LayerSpec, Layout, LayoutSpec
 from gcache_client import AsyncGCacheClient, Namespace
 
 
@@ -174,10 +174,14 @@ async def populate_index(
     prompt_blocks: int,
     progress: Progress,
     first: int = 0,
+    stall_s: float = 30.0,
 ) -> list[list[bytes]]:
     """Index ``prompts`` x ``prompt_blocks`` blocks through the hot path without
     writing data (PutBegin + PutCommit with zero checksums): the meta's index, not
-    the data plane, is what lookup measures."""
+    the data plane, is what lookup measures. A put the meta placed only in part
+    (``no_space``: e.g. a server's manifest outbox is full until its next heartbeat)
+    is committed and begun again (the stored blocks deduplicated) until the prompt is
+    whole; ``RuntimeError`` if it makes no progress for ``stall_s``."""
     layout = ns.layout
     key_lists = []
     for p in range(first, first + prompts):
@@ -185,26 +189,43 @@ async def populate_index(
         ks = keymod.block_keys(ns.fingerprint, toks, layout.block_size)
         key_lists.append(ks)
         masks = layout.groups_to_store(len(ks))
-        placed = await client._meta_call(wire.PutBegin(ns.fingerprint, ks, masks))
-        # The meta commits only placements whose grants a server consumed: SEAL
-        # them (no bytes move) for their receipts.
-        by_server: dict[int, list[int]] = {}
-        for i, pl in enumerate(placed.placements):
-            by_server.setdefault(pl.server, []).append(i)
-        receipt: dict[int, int] = {}
-        for si, pis in by_server.items():
-            conn = await client._server(placed.servers[si])
-            grants = [placed.placements[i].grant for i in pis]
-            sealed = await conn.call(wire.Seal(grants), timeout=client.config.timeout_s)
-            receipt.update(zip(pis, sealed.receipts, strict=True))
-        done = [
-            (i, bytes(8 * len(layout.group_layers[pl.group])))
-            for i, pl in enumerate(placed.placements)
-        ]
-        receipts = [receipt[i] for i, _ in done]
-        await client._meta_call(wire.PutCommit(placed.put_id, done, receipts))
+        deadline = time.monotonic() + stall_s
+        while True:
+            placed = await client._meta_call(wire.PutBegin(ns.fingerprint, ks, masks))
+            if placed.placements:
+                await _seal_and_commit(client, layout, placed)
+                deadline = time.monotonic() + stall_s
+            if not placed.no_space:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"indexing stalled: {placed.no_space} objects found no space for {stall_s}s"
+                )
+            await asyncio.sleep(0.01)
         progress.update(p + 1)
     return key_lists
+
+
+async def _seal_and_commit(
+    client: AsyncGCacheClient, layout: Layout, placed: wire.PutPlaced
+) -> None:
+    """Commit every placement of ``placed`` without writing its bytes. The meta
+    commits only placements whose grants a server consumed: SEAL them (no bytes
+    move) for their receipts."""
+    by_server: dict[int, list[int]] = {}
+    for i, pl in enumerate(placed.placements):
+        by_server.setdefault(pl.server, []).append(i)
+    receipt: dict[int, int] = {}
+    for si, pis in by_server.items():
+        conn = await client._server(placed.servers[si])
+        grants = [placed.placements[i].grant for i in pis]
+        sealed = await conn.call(wire.Seal(grants), timeout=client.config.timeout_s)
+        receipt.update(zip(pis, sealed.receipts, strict=True))
+    done = [
+        (i, bytes(8 * len(layout.group_layers[pl.group]))) for i, pl in enumerate(placed.placements)
+    ]
+    receipts = [receipt[i] for i, _ in done]
+    await client._meta_call(wire.PutCommit(placed.put_id, done, receipts))
 
 
 async def run_lookup(
