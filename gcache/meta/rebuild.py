@@ -114,7 +114,6 @@ class Rebuild(Tiers):
         # through the parked books (1M records: see bench/meta_rebuild.py).
         records.sort(key=_BLOCK_ORDER)
         namespaces = self.namespaces
-        parked_parent = self.parked_parent
         ns: NamespaceRecord | None = None
         fp = b""
         for rec in records:
@@ -132,37 +131,45 @@ class Rebuild(Tiers):
             if ns is None:
                 self._park(rec, self.parked_ns.setdefault(fp, []))
                 continue
-            entries = ns.entries
-            entry = entries.get(rec.key)
-            created = entry is None
-            if created:
-                parent = None
-                if rec.pos:
-                    parent = entries.get(rec.parent)
-                    if parent is None or parent.pos + 1 != rec.pos:
-                        self._park(rec, parked_parent.setdefault((fp, rec.parent), []))
-                        continue
-                entry = entries[rec.key] = BlockEntry(
-                    rec.key, parent, rec.pos, ns.layout.num_groups
-                )
-                self.entries += 1
-                if ns.full_group is not None:
-                    ns.full_holes += 1
-                if parent is not None:
-                    parent.children += 1
-            assert entry is not None
-            if self._adopt(ns, entry, rec, now):
-                adopted += 1
-            else:
-                dropped += 1
-            if created and parked_parent:
-                waiting = parked_parent.pop((fp, rec.key), None)
-                if waiting:
-                    adopted += self._adopt_waiting(ns, waiting, now)
+            got, lost = self._adopt_known(ns, rec, now)
+            adopted += got
+            dropped += lost
         if last and srv.reported is not None:
             self._complete(srv)
         self.counters["objects_adopted"] += adopted
         self.counters["objects_report_dropped"] += dropped
+        return adopted, dropped
+
+    def _adopt_known(self, ns: NamespaceRecord, rec: Parked, now: float) -> tuple[int, int]:
+        """Adopt a valid record of a known namespace, creating its entry under its
+        parent, then whatever waited for that entry; park it while its parent is
+        unknown. Returns (adopted, dropped)."""
+        entries = ns.entries
+        entry = entries.get(rec.key)
+        created = entry is None
+        if entry is None:
+            parent = None
+            if rec.pos:
+                parent = entries.get(rec.parent)
+                if parent is None or parent.pos + 1 != rec.pos:
+                    key = (rec.namespace, rec.parent)
+                    self._park(rec, self.parked_parent.setdefault(key, []))
+                    return 0, 0
+            entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, ns.layout.num_groups)
+            self.entries += 1
+            if ns.full_group is not None:
+                ns.full_holes += 1
+            if parent is not None:
+                parent.children += 1
+        adopted = dropped = 0
+        if self._adopt(ns, entry, rec, now):
+            adopted = 1
+        else:
+            dropped = 1
+        if created and self.parked_parent:
+            waiting = self.parked_parent.pop((rec.namespace, rec.key), None)
+            if waiting:
+                adopted += self._adopt_waiting(ns, waiting, now)
         return adopted, dropped
 
     def _invalid(self, srv: ServerRecord, rec: Parked) -> str:
@@ -362,11 +369,17 @@ class Rebuild(Tiers):
         waiting = self.parked_ns.pop(ns.fingerprint, None)
         if not waiting:
             return 0
-        waiting.sort(key=lambda r: r.pos)
+        waiting.sort(key=_BLOCK_ORDER)
         n = 0
+        parked = self.parked_all
         for rec in waiting:
-            if self._is_parked(rec):
-                n += self._adopt_chain(ns, rec, now)
+            if id(rec) not in parked:
+                continue  # expired or dropped meanwhile
+            self._unpark(rec)
+            srv = rec.server
+            if srv is None or not srv.alive:
+                continue
+            n += self._adopt_known(ns, rec, now)[0]
         self.counters["objects_adopted"] += n
         return n
 

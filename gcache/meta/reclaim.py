@@ -23,6 +23,9 @@ from gcache.meta.records import (
 )
 from gcache.meta.session import Principal
 
+# ObjectRecord.hits of a DRAM full object being demoted: its parent no longer counts
+# it as a DRAM child (``BlockEntry.hot``), so a whole prompt demotes in one pass.
+LEAVING_DRAM = -2
 # Freed ranges reported to a server per heartbeat reply, at most (the server only
 # counts them; a longer backlog is dropped rather than grown without bound).
 MAX_FREED_REPORT = 1 << 16
@@ -242,7 +245,7 @@ class IndexStore:
         if g == ns.full_group:
             ns.full_holes += 1
             parent = entry.parent
-            if obj.tier == 0 and parent is not None:
+            if obj.tier == 0 and parent is not None and obj.hits != LEAVING_DRAM:
                 parent.hot -= 1
                 if parent.hot == 0:
                     self._leaf_now(parent, ns)

@@ -37,6 +37,7 @@ from gcache.meta.eviction import (
     compute_for_layout,
 )
 from gcache.meta.leases import Leases
+from gcache.meta.reclaim import LEAVING_DRAM
 from gcache.meta.records import (
     EVICTED,
     GONE,
@@ -98,6 +99,13 @@ class HeartbeatOut:
 
 
 T = TypeVar("T")
+
+
+def _held(srv: ServerRecord, length: int) -> int:
+    """DRAM bytes an object of ``length`` holds in ``srv``'s allocator (aligned), as
+    ``allocator.used`` counts them."""
+    mask = srv.allocator.align - 1
+    return (length + mask) & ~mask
 
 
 def _take(items: list[T], n: int) -> list[T]:
@@ -189,8 +197,16 @@ class Tiers(Leases):
         DRAM and pinned (its range is not reused) until the server reports back."""
         srv = obj.server
         obj.pins += 1
+        parent = obj.entry.parent
+        if obj.group == ns.full_group and parent is not None:
+            # Leaving DRAM: its parent may follow in this same pass (not one block
+            # of a prompt per heartbeat round trip).
+            obj.hits = LEAVING_DRAM
+            parent.hot -= 1
+            if parent.hot == 0:
+                self._leaf_now(parent, ns)
         srv.demoting[obj.offset] = (obj, ns)
-        srv.demoting_bytes += obj.length
+        srv.demoting_bytes += _held(srv, obj.length)
         srv.nvme_bytes += obj.length  # reserved until the report
         srv.demote_out.append((obj, ns))
         self.counters["demotions_issued"] += 1
@@ -219,9 +235,15 @@ class Tiers(Leases):
             return None
         obj, ns = got
         length = obj.length
-        srv.demoting_bytes -= length
+        srv.demoting_bytes -= _held(srv, length)
         srv.nvme_bytes -= length  # the reservation; the NVMe record counts from here
         obj.pins -= 1
+        if not done.ok and obj.state == LIVE and obj.hits == LEAVING_DRAM:
+            parent = obj.entry.parent  # it stays in DRAM: a DRAM child again
+            if parent is not None:
+                parent.hot += 1
+        if not done.ok:
+            obj.hits = 0
         if not done.ok or obj.state != LIVE:
             if done.ok:  # evicted while it was being copied: delete the copy
                 srv.drop_out.append((done.nvme_offset, length))
@@ -272,10 +294,11 @@ class Tiers(Leases):
 
     def _promote(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
         """Allocate a DRAM range on ``obj``'s server and ask the server to copy the
-        NVMe object there (a write by the server itself, no client grant). Only
-        while that keeps the server's DRAM below its high watermark: a promotion
-        never evicts. The object stays on NVMe, readable and pinned, until the
-        server reports the copy."""
+        NVMe object there (a write by the server itself, no client grant). The
+        server's DRAM stays below its high watermark: room is made as for a put (the
+        coldest DRAM objects demote or go, never pinned ones), else the promotion
+        waits for the next hit. The object stays on NVMe, readable and pinned, until
+        the server reports the copy."""
         srv = obj.server
         cfg = self.cfg
         c = self.counters
@@ -286,18 +309,28 @@ class Tiers(Leases):
             or len(srv.promoting) >= MAX_PROMOTIONS_IN_FLIGHT
         ):
             return False
-        cap = srv.allocator.capacity
-        if srv.reclaimable_used + obj.length > cfg.high_watermark * cap:
-            c["promotions_no_room"] += 1
-            return False
-        off = srv.allocator.alloc(obj.length)
+        length = obj.length
+        need = _held(srv, length)
+        # Promotions in flight count against the watermark (they will land in DRAM).
+        high = int(cfg.high_watermark * srv.allocator.capacity) - srv.promoting_bytes
+        if srv.reclaimable_used + need > high:
+            # Make room as a put does: the coldest DRAM objects (in the policy's
+            # order, never pinned ones) demote or go; the hit object is the hottest.
+            if cfg.demote:
+                self._demote_or_drop(srv, high - need)
+            else:
+                self._evict(srv, target_used=high - need, max_bytes=4 * need)
+            if srv.reclaimable_used + need > high:
+                c["promotions_no_room"] += 1
+                return False
+        off = srv.allocator.alloc(length)
         if off is None:
             c["promotions_no_room"] += 1
             return False
         obj.pins += 1
         obj.hits = PROMOTING
         srv.promoting[off] = (obj, ns)
-        srv.promoting_bytes += obj.length
+        srv.promoting_bytes += _held(srv, length)
         srv.promote_out.append((obj, ns, off))
         c["promotions_issued"] += 1
         return True
@@ -315,7 +348,7 @@ class Tiers(Leases):
             return
         obj, ns = got
         length = obj.length
-        srv.promoting_bytes -= length
+        srv.promoting_bytes -= _held(srv, length)
         obj.pins -= 1
         obj.hits = 0
         if not done.ok or obj.state != LIVE:

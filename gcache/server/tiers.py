@@ -3,9 +3,13 @@
 
 * At start (:meth:`TierState.start`): re-adopt the segment file a dead process of
   the same server id left for the same meta (renamed to this process's name), replay
-  its manifest and keep the records whose bytes still hash to their digest (else DRAM
-  starts empty), open and scan the NVMe tier (records failing their CRC or payload
-  hash are dropped), and measure the DRAM and NVMe bandwidths the meta uses.
+  its manifest and keep the records whose layers still match the checksums their
+  putter computed (else DRAM starts empty), open and scan the NVMe tier (records
+  failing their CRC or payload hash are dropped), and measure the DRAM and NVMe
+  bandwidths the meta uses; all of it on a worker thread (:meth:`TierState.open`),
+  never on the event loop.
+* Each heartbeat reply's ``adopt``: recorded with the checksums the meta sends
+  (``StoredObject.sums``); no byte of the object is read (the restart checks them).
 * On registration: the registration carries the tier's size and bandwidths and the
   count of objects held; :meth:`report` then streams every record
   (``ReportObjects``, chunks of :data:`REPORT_CHUNK`, ``last`` on the final one).
@@ -96,6 +100,8 @@ class TierState:
         self.nvme_read_gbps = self.nvme_write_gbps = 0.0
         self.epoch = 0
         self.demoted: list[pb.Demoted] = []
+        self.promoted: list[pb.Promoted] = []  # N4: promotions done, for the next beat
+        self.promotions = self.promote_failures = 0
         self.demotions = self.demote_failures = self.adopted = 0
         self.reports = self.report_failures = 0
         self.reports_dropped = 0  # results past MAX_PENDING_REPORTS (meta times them out)
@@ -103,6 +109,12 @@ class TierState:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- start -------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, cfg: ServerConfig, server_id: str, path: str) -> TierState:
+        """:meth:`start` on a worker thread: re-adopting reads every recorded byte
+        of the segment and scans the NVMe tier, which must not stall the loop."""
+        return await asyncio.to_thread(cls.start, cfg, server_id, path)
 
     @classmethod
     def start(cls, cfg: ServerConfig, server_id: str, path: str) -> TierState:
@@ -130,14 +142,18 @@ class TierState:
         nvme: NvmeTier | None = None
         try:
             manifest.load()
+            t0 = time.monotonic()
             readopted = manifest.verify(segment.view if segment.reused else None)
             if segment.reused:
                 log.info(
-                    "re-adopted segment %s: %d objects intact, %d dropped (%d bad log frames)",
+                    "re-adopted segment %s: %d objects (%d bytes) intact, %d dropped "
+                    "(%d bad log frames), checked in %.2f s",
                     path,
                     readopted,
+                    manifest.verified_bytes,
                     manifest.dropped,
                     manifest.bad_frames,
+                    time.monotonic() - t0,
                 )
             size = cfg.nvme_size_bytes
             if size:
@@ -224,6 +240,8 @@ class TierState:
 
     def fill_heartbeat(self, beat: pb.HeartbeatRequest) -> None:
         beat.epoch = self.epoch
+        done_p, self.promoted = self.promoted, []
+        beat.promoted.extend(done_p)
         if self.nvme is None:
             return
         beat.nvme_used = self.nvme.used
@@ -233,6 +251,7 @@ class TierState:
 
     def unsent(self, beat: pb.HeartbeatRequest) -> None:
         """A heartbeat that failed: its reports go out with the next one."""
+        self.promoted[:0] = list(beat.promoted)
         if self.nvme is None:
             return
         self.demoted[:0] = list(beat.demoted)
@@ -246,6 +265,8 @@ class TierState:
                 self.adopted += self.manifest.apply(frees, adopt, self.segment.view)
             except GCacheError as exc:
                 log.warning("%s", exc)
+        if reply.promote:
+            self._promote(list(reply.promote))
         if self.nvme is None:
             for cmd in reply.demote:
                 o = cmd.object
@@ -310,6 +331,78 @@ class TierState:
         self.demote_failures += sum(1 for r in out if not r.ok)
         return out
 
+    # ---- promotion (N4): NVMe -> DRAM at a range the meta allocated --------------------
+
+    def _promote(self, cmds: list[pb.PromoteCommand]) -> None:
+        """Copy NVMe objects into the DRAM ranges the meta allocated, on the worker
+        thread (after the demotions and drops already queued); then record them in
+        the manifest and report them in the next heartbeat (``promoted``)."""
+        if self.nvme is None:
+            for c in cmds:
+                o = c.object
+                self.promoted.append(
+                    pb.Promoted(
+                        nvme_offset=o.offset, length=o.length, dram_offset=c.dram_offset,
+                        error="no NVMe",
+                    )
+                )
+            return
+        self._loop = asyncio.get_running_loop()
+        fut = self._writer.submit(self._promote_work, cmds)
+        loop = self._loop
+
+        def finished(f: concurrent.futures.Future[list[tuple[pb.Promoted, StoredRecord]]]) -> None:
+            if loop.is_closed():
+                return
+            try:
+                res = f.result()
+            except BaseException as exc:  # a bug in the worker: report, never hang
+                log.error("NVMe promotion worker failed: %s", exc)
+                return
+            loop.call_soon_threadsafe(self._promoted_done, res)
+
+        fut.add_done_callback(finished)
+
+    def _promote_work(
+        self, cmds: list[pb.PromoteCommand]
+    ) -> list[tuple[pb.Promoted, StoredRecord]]:
+        nvme = self.nvme
+        assert nvme is not None
+        seg = self.segment
+        out: list[tuple[pb.Promoted, StoredRecord]] = []
+        for cmd in cmds:
+            rec = _record(cmd.object)
+            dram, length = cmd.dram_offset, rec.length
+            res = pb.Promoted(nvme_offset=rec.offset, length=length, dram_offset=dram)
+            inside = length > 0 and seg.in_bounds(dram, length)
+            if not inside or not nvme.covers(rec.offset, length):
+                res.error = "range outside the segment or the tier"
+            else:
+                try:
+                    nvme.read_into(rec.offset, seg.view[dram : dram + length])
+                    res.ok = True
+                except (GCacheError, OSError) as exc:
+                    res.error = str(exc)
+            rec.tier, rec.offset = 0, dram
+            out.append((res, rec))
+        return out
+
+    def _promoted_done(self, done: list[tuple[pb.Promoted, StoredRecord]]) -> None:
+        """Loop thread: record the DRAM copies (digest from the segment), then report."""
+        recs = [rec for res, rec in done if res.ok]
+        if recs:
+            try:
+                self.manifest.apply([], recs, self.segment.view)
+            except GCacheError as exc:
+                log.warning("%s", exc)
+                for res, _ in done:
+                    res.ok, res.error = False, str(exc)
+        self.promotions += sum(1 for res, _ in done if res.ok)
+        self.promote_failures += sum(1 for res, _ in done if not res.ok)
+        room = max(MAX_PENDING_REPORTS - len(self.promoted), 0)
+        self.promoted.extend(res for res, _ in done[:room])
+        self.reports_dropped += max(len(done) - room, 0)
+
     # ---- end -----------------------------------------------------------------------
 
     def close(self, keep: bool = True) -> None:
@@ -329,6 +422,8 @@ class TierState:
             "epoch": self.epoch,
             "demotions": self.demotions,
             "demote_failures": self.demote_failures,
+            "promotions": self.promotions,
+            "promote_failures": self.promote_failures,
             "reports": self.reports,
             "report_failures": self.report_failures,
             "dram_read_gbps": self.dram_gbps,

@@ -127,15 +127,38 @@ def test_a_leased_nvme_copy_is_deleted_only_after_its_lease_ends() -> None:
     assert nvme <= set(out3.drop_nvme)
 
 
-def test_promotion_never_pushes_dram_past_its_high_watermark() -> None:
-    core, fp, first = on_nvme("hits:1")
+def fill_to_high(core: MetaCore) -> int:
+    """Allocate raw ranges (nobody's objects: never freed) until DRAM sits just
+    below its high watermark; returns the high watermark in bytes."""
     srv = core.servers["s0"]
-    # Fill DRAM to just below the high watermark (ranges nobody frees).
-    high = core.cfg.high_watermark * srv.allocator.capacity
+    high = int(core.cfg.high_watermark * srv.allocator.capacity)
     while srv.reclaimable_used + 4096 < high:
         assert srv.allocator.alloc(4096) is not None
+    return high
+
+
+def test_promotion_makes_room_like_a_put_and_stays_below_the_high_watermark() -> None:
+    core, fp, first = on_nvme("hits:1")
+    srv = core.servers["s0"]
+    high = fill_to_high(core)
+    c = core.counters
+    left = c["demotions_issued"] + c["dropped_not_demoted"] + c["evictions"]
     hit(core, fp, first)
-    assert core.counters["promotions_issued"] == 0
+    assert c["promotions_issued"] > 0
+    assert c["demotions_issued"] + c["dropped_not_demoted"] + c["evictions"] > left
+    assert srv.reclaimable_used + srv.promoting_bytes <= high
+
+
+def test_promotion_waits_when_nothing_in_dram_may_leave() -> None:
+    core, fp, first = on_nvme("hits:2")
+    # Every cached prompt read once and kept leased: nothing in DRAM may leave.
+    for p in range(40):
+        if lookup(core, fp, toks(p, blocks=6)).blocks:
+            lookup(core, fp, toks(p, blocks=6), lease=True)
+    fill_to_high(core)
+    issued = core.counters["promotions_issued"]
+    lookup(core, fp, first, lease=True)  # the second hit of the first prompt
+    assert core.counters["promotions_issued"] == issued
     assert core.counters["promotions_no_room"] > 0
 
 
