@@ -390,7 +390,7 @@ class StorageServer:
         if not self.server_id:
             self.server_id = f"{socket.gethostname()}:{self.port}"
         path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
-        self.tiers = TierState.start(cfg, self.server_id, path)
+        self.tiers = await TierState.open(cfg, self.server_id, path)  # off the loop
         self.segment = self.tiers.segment
         self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
         log.info(

@@ -11,9 +11,16 @@ segment it describes). Every log entry is one frame::
 
 A frame that is cut short or fails its CRC ends the replay (a torn tail after a
 ``kill -9``, or damage): it and everything after it are dropped, so those objects
-are simply not re-adopted (a miss, never wrong bytes). Each ``ADD`` also carries
-``xxh3_64`` of the object's bytes, taken when the server recorded it; at start every
-replayed record is checked against the segment and dropped when the bytes differ.
+are simply not re-adopted (a miss, never wrong bytes). Each ``ADD`` carries the
+object's per-layer checksums (``sums``: the ones its putter computed and every reader
+verifies); recording an object reads none of its bytes. At start every replayed
+record is checked against the segment (:meth:`Manifest.verify`, on a worker thread,
+:data:`VERIFY_BATCH` bytes per call of the shared checksum function,
+:func:`gcache._native.checksums`) and dropped when its bytes differ. The server does
+not know the layout: an object of ``n`` checksums is split into ``n`` equal layers
+(every layer of a layout group has one size in the shipped presets); an object whose
+length does not split evenly, or whose layers differ in size, fails the check and is
+dropped (a miss).
 
 The log is compacted (the live records rewritten to a new file, then renamed over
 the old one) when it holds more than twice the live records plus
@@ -29,8 +36,8 @@ from collections.abc import Iterator
 from typing import Final
 
 import msgspec
-import xxhash
 
+from gcache import _native
 from gcache.errors import GCacheError
 
 _FRAME: Final = struct.Struct("<II")
@@ -39,6 +46,7 @@ COMPACT_SLACK: Final = 1 << 20
 KIND_ADD: Final = 1
 KIND_FREE: Final = 2
 KIND_OWNER: Final = 3  # first frame of every log: whose segment this is
+VERIFY_BATCH: Final = 64 << 20  # bytes checked per checksum call at start
 
 
 class StoredRecord(msgspec.Struct, array_like=True):
@@ -55,7 +63,7 @@ class StoredRecord(msgspec.Struct, array_like=True):
     length: int
     sums: bytes
     seq: int
-    digest: int = 0  # xxh3_64 of the object's bytes when recorded
+    digest: int = 0  # unused (logs of older servers carried xxh3_64 of the bytes)
 
 
 class _Entry(msgspec.Struct, array_like=True):
@@ -111,8 +119,24 @@ def read_owner(path: str) -> str | None:
     return None
 
 
-def digest(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
+def layers(rec: StoredRecord, segment: memoryview) -> list[memoryview] | None:
+    """The object's layers in ``segment`` (``len(sums) / 8`` equal parts), or None
+    when the record cannot be checked (outside the segment, no checksums, a length
+    that does not split evenly)."""
+    n = len(rec.sums) // 8
+    off, length = rec.offset, rec.length
+    if (
+        rec.tier != 0
+        or n == 0
+        or len(rec.sums) % 8
+        or length <= 0
+        or length % n
+        or off < 0
+        or off + length > len(segment)
+    ):
+        return None
+    step = length // n
+    return [segment[off + i * step : off + (i + 1) * step] for i in range(n)]
 
 
 class Manifest:
@@ -131,6 +155,7 @@ class Manifest:
         "path",
         "records",
         "seq",
+        "verified_bytes",
         "writes",
     )
 
@@ -142,6 +167,7 @@ class Manifest:
         self.bad_frames = 0  # torn or damaged frames met at start
         self.dropped = 0  # records dropped at start (bytes changed, out of range)
         self.writes = 0
+        self.verified_bytes = 0  # bytes checked and kept at start
         self._fd = -1
         self._log_bytes = 0
         self._live = 0  # bytes the live records take in a compacted log
@@ -170,23 +196,50 @@ class Manifest:
             elif e.kind == KIND_FREE:
                 self._forget(e.offset, e.length)
 
-    def verify(self, segment: memoryview | None) -> int:
-        """Keep the records whose bytes in ``segment`` still hash to their digest;
+    def verify(self, segment: memoryview | None, batch: int = VERIFY_BATCH) -> int:
+        """Keep the records whose layers in ``segment`` still match their checksums;
         with no segment (it could not be re-adopted) drop them all. Then rewrite
-        the log with what survives. Returns the records kept."""
+        the log with what survives. Returns the records kept.
+
+        Reads every recorded byte once: a restart runs it on a worker thread
+        (:meth:`gcache.server.tiers.TierState.open`), ``batch`` bytes per call of the
+        checksum function (views of the segment, no copies)."""
         keep: dict[int, StoredRecord] = {}
-        for off, rec in self.records.items():
-            if (
-                segment is not None
-                and rec.tier == 0
-                and off >= 0
-                and off + rec.length <= len(segment)
-                and digest(segment[off : off + rec.length]) == rec.digest
-            ):
-                keep[off] = rec
-            else:
+        pending: list[StoredRecord] = []
+        pieces: list[memoryview] = []
+        size = 0
+
+        def check() -> None:
+            nonlocal size
+            if pieces:
+                got = _native.checksums(pieces, 1)
+                want = b"".join(r.sums for r in pending)
+                if got == want:
+                    keep.update((r.offset, r) for r in pending)
+                else:  # a damaged object in the batch: find it
+                    for r in pending:
+                        parts = layers(r, segment) if segment is not None else None
+                        if parts is not None and _native.checksums(parts, 1) == r.sums:
+                            keep[r.offset] = r
+                        else:
+                            self.dropped += 1
+            pending.clear()
+            pieces.clear()
+            size = 0
+
+        for rec in self.records.values():
+            parts = layers(rec, segment) if segment is not None else None
+            if parts is None:
                 self.dropped += 1
+                continue
+            pending.append(rec)
+            pieces.extend(parts)
+            size += rec.length
+            if size >= batch:
+                check()
+        check()
         self.records = keep
+        self.verified_bytes = sum(r.length for r in keep.values())
         self._rewrite()
         return len(keep)
 
@@ -198,20 +251,19 @@ class Manifest:
         adopt: list[StoredRecord],
         segment: memoryview | None = None,
     ) -> int:
-        """Drop the freed ranges' records, then record the adopted objects (their
-        digest is taken from ``segment`` when given). One append. Returns the
-        adopted records kept (those inside the segment)."""
+        """Drop the freed ranges' records, then record the adopted objects with the
+        checksums they carry (their bytes are not read: that is the restart's job,
+        :meth:`verify`); with ``segment``, one outside it is not recorded. One
+        append. Returns the adopted records kept."""
         out = bytearray()
         for off, length in free:
             if self._forget(off, length):
                 out += frame(_Entry(KIND_FREE, None, off, length))
         kept = 0
         for rec in adopt:
-            if segment is not None:
-                if not (rec.offset >= 0 and rec.offset + rec.length <= len(segment)):
-                    self.dropped += 1
-                    continue
-                rec.digest = digest(segment[rec.offset : rec.offset + rec.length])
+            if segment is not None and not (0 <= rec.offset <= len(segment) - rec.length):
+                self.dropped += 1
+                continue
             self.seq += 1
             rec.seq = self.seq
             self._forget(rec.offset, rec.length)

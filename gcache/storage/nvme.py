@@ -36,7 +36,6 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterator
 from typing import Final
 
 import numpy as np
@@ -535,8 +534,10 @@ class NvmeTier:
             self.read_bytes += n
         return out
 
-    def records(self) -> Iterator[StoredRecord]:
-        return (o.record for o in self.objects.values())
+    def records(self) -> list[StoredRecord]:
+        """A snapshot (one call, atomic under the GIL): the loop lists the records
+        while the writer thread appends and drops."""
+        return [o.record for o in list(self.objects.values())]
 
     # ---- lifecycle ---------------------------------------------------------------
 

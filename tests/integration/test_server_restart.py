@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gcache import capability, wire
+from gcache import _native, capability, wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.errors import E_ACCESS_DENIED
@@ -45,6 +45,7 @@ class ScriptedMeta(pb_grpc.ControlServicer):  # type: ignore[misc]
         self.registrations: list[Any] = []
         self.reports: list[list[Any]] = []  # one list of StoredObject per report
         self.heartbeats: list[Any] = []
+        self.beat_times: list[float] = []  # time.monotonic() of each heartbeat
         self.pending = pb.HeartbeatReply()
         self.reregister = False
         self.demoted: list[Any] = []
@@ -70,6 +71,7 @@ class ScriptedMeta(pb_grpc.ControlServicer):  # type: ignore[misc]
     def Heartbeat(self, request: Any, context: Any) -> Any:
         with self.lock:
             self.heartbeats.append(request)
+            self.beat_times.append(time.monotonic())
             self.demoted.extend(request.demoted)
             reply, self.pending = self.pending, pb.HeartbeatReply()
             reply.reregister = self.reregister
@@ -101,8 +103,9 @@ class ScriptedMeta(pb_grpc.ControlServicer):  # type: ignore[misc]
 
 
 class Harness:
-    def __init__(self, tmp: Path, epoch: int = 1_000) -> None:
+    def __init__(self, tmp: Path, epoch: int = 1_000, args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        self.args = args  # more server flags (a later --capacity wins)
         self.meta = ScriptedMeta(epoch)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(4))
         pb_grpc.add_ControlServicer_to_server(self.meta, self.grpc)
@@ -144,6 +147,7 @@ class Harness:
                 "0.1",
                 "--ready-file",
                 str(ready),
+                *self.args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -216,7 +220,7 @@ def _obj(i: int, off: int, data: bytes) -> pb.StoredObject:
         tier=0,
         offset=off,
         length=len(data),
-        sums=(i * 7).to_bytes(8, "big"),
+        sums=_native.checksums([data], 1),  # one layer: what the putter computed
     )
 
 

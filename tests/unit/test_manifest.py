@@ -6,10 +6,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from gcache import _native
 from gcache.storage.manifest import Manifest, StoredRecord
 
+SEG: memoryview | None = None  # the segment _rec takes its checksums from
 
-def _rec(i: int, offset: int, length: int = 4096) -> StoredRecord:
+
+def _sums(seg: memoryview, offset: int, length: int, layers: int = 2) -> bytes:
+    step = length // layers
+    parts = [seg[offset + j * step : offset + (j + 1) * step] for j in range(layers)]
+    return _native.checksums(parts, 1)
+
+
+def _rec(i: int, offset: int, length: int = 4096, seg: memoryview | None = None) -> StoredRecord:
+    seg = seg if seg is not None else SEG
+    assert seg is not None
     return StoredRecord(
         namespace=b"n" * 16,
         key=i.to_bytes(16, "big"),
@@ -19,14 +30,15 @@ def _rec(i: int, offset: int, length: int = 4096) -> StoredRecord:
         tier=0,
         offset=offset,
         length=length,
-        sums=b"s" * 16,
+        sums=_sums(seg, offset, length),  # two layers, as the putter computed them
         seq=0,
     )
 
 
 def _segment(n: int = 16) -> memoryview:
-    seg = bytearray(os.urandom(n * 4096))
-    return memoryview(seg)
+    global SEG
+    SEG = memoryview(bytearray(os.urandom(n * 4096)))
+    return SEG
 
 
 def _reopen(path: Path, seg: memoryview | None) -> Manifest:
@@ -47,7 +59,8 @@ def test_records_survive_a_restart(tmp_path: Path) -> None:
     m2 = _reopen(tmp_path / "m", seg)
     assert sorted(r.offset // 4096 for r in m2) == [0, 1, 2, 4, 5, 6, 7]
     r = m2.records[4096]
-    assert r.key == (1).to_bytes(16, "big") and r.parent == bytes(16) and r.sums == b"s" * 16
+    assert r.key == (1).to_bytes(16, "big") and r.parent == bytes(16)
+    assert r.sums == _sums(seg, 4096, 4096)
     assert len({r.seq for r in m2}) == 7
 
 
@@ -110,3 +123,28 @@ def test_log_is_compacted(tmp_path: Path) -> None:
     m.close()
     m2 = _reopen(tmp_path / "m", seg)
     assert [r.offset for r in m2] == [0]
+
+
+def test_adopt_reads_no_byte_and_restart_checks_each_layer(tmp_path: Path) -> None:
+    """Recording an object takes the checksums it carries (a segment whose bytes
+    differ from them is not even looked at); the restart checks every layer (in
+    batches smaller than one object here) and drops what no longer matches: a
+    changed byte in a second layer, checksums that never matched, a length that
+    does not split into its layers, a record without checksums."""
+    seg = _segment(64)
+    m = Manifest(str(tmp_path / "m"))
+    m.load()
+    m.verify(seg)
+    recs = [_rec(i, i * 8192, 8192) for i in range(6)]
+    recs[3].sums = bytes(16)  # never matched
+    recs[4].length, recs[4].sums = 8191, _sums(seg, 4 * 8192, 8190)  # odd split
+    recs[5].sums = b""
+    assert m.apply([], recs, seg) == 6
+    assert all(r.digest == 0 for r in m)
+    m.close()
+    seg[1 * 8192 + 4096 + 7] ^= 0x10  # object 1, second layer
+    m2 = Manifest(str(tmp_path / "m"))
+    m2.load()
+    assert m2.verify(seg, batch=4096) == 2
+    assert sorted(r.offset for r in m2) == [0, 2 * 8192] and m2.dropped == 4
+    assert m2.verified_bytes == 2 * 8192
