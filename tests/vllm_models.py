@@ -85,9 +85,7 @@ def write_tiny_mimo(
         "sliding_window": window,
         "sliding_window_size": window,
         "hybrid_layer_pattern": list(pattern),
-        "layer_types": [
-            "sliding_attention" if p else "full_attention" for p in pattern
-        ],
+        "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],
         "moe_layer_freq": moe_freq,
         "mlp_layer_types": ["sparse" if f else "dense" for f in moe_freq],
         "n_routed_experts": n_experts,

@@ -54,7 +54,6 @@ class BridgeConfig:
     revision: str = ""
     max_pending_stores: int = 4  # background stores in flight before a store waits
     max_namespaces: int = 64  # cache_salt namespaces kept registered per process
-    load_async: bool = False  # load between steps (get_finished) instead of per layer
     client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
 
     def check(self) -> None:

@@ -252,8 +252,7 @@ class _Worker:
         ns = self.bridge.namespace(salt)
         bs = self.layout.block_size
         hashes = [
-            int.from_bytes(k[:8], "little")
-            for k in keymod.block_keys(ns.fingerprint, tokens, bs)
+            int.from_bytes(k[:8], "little") for k in keymod.block_keys(ns.fingerprint, tokens, bs)
         ][:nblocks]
         tail = _max_tail(self.layout)
         for g in range(len(self.lmap.group_block)):
