@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,34 @@ def test_directory_is_locked(tmp_path: Path) -> None:
     with pytest.raises(GCacheError, match="in use"):
         NvmeTier(str(tmp_path), 16 * MiB)
     t.close()
+
+
+def test_records_is_a_snapshot_while_the_writer_appends(tmp_path: Path) -> None:
+    """The loop lists the records (a registration's report) while the writer thread
+    appends, drops and evicts: the listing is one atomic snapshot. The old generator
+    over the live dict raised "dictionary changed size during iteration"."""
+    t = NvmeTier(str(tmp_path / "nvme"), 4 << 20, direct=False)
+    stop = threading.Event()
+    payload = memoryview(_payload(0, 512))
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            addr = t.append(_rec(i % 200), payload)
+            if i % 3 == 0:
+                t.drop(addr)
+            i += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        for _ in range(3000):
+            recs = list(t.records())
+            assert all(r.tier == 1 for r in recs)
+    finally:
+        stop.set()
+        th.join()
+        sys.setswitchinterval(old)
+        t.close()
