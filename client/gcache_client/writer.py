@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from gcache import keys as keymod
 from gcache import layout as laymod
 from gcache import wire
 from gcache.errors import GCacheError, LayoutError
+from gcache.transport.limits import RateLimitedLog
 from gcache_client import arrays
 from gcache_client.pool import ConnectionPool
 from gcache_client.types import KVPair, Namespace, PutResult
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
     from gcache_client.aio import AsyncGCacheClient
 
 log = logging.getLogger("gcache.client")
+# One line per failed seal flooded the log while a server was down (every put):
+# a bounded rate; the next line that gets through counts the ones left out.
+seal_log = RateLimitedLog(log)
 
 
 def check_kv(
@@ -220,7 +225,7 @@ class Writer:
                     timeout=self._client.config.timeout_s,
                 )
             except GCacheError as exc:
-                log.warning("put: seal on %s failed: %s", addr.server_id, exc)
+                seal_log.log(time.monotonic(), "put: seal on %s failed: %s", addr.server_id, exc)
                 return {}
             if len(reply.receipts) != len(pis):
                 log.warning(
