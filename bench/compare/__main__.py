@@ -9,7 +9,9 @@ In one run on one machine, at the same value sizes and concurrency:
   same-process memcpy path, skipped with a printed reason when it cannot run;
 * GCache over TCP and over shared memory: a local meta + server started here,
   measured with ``gcache-bench`` (the real console tool, one process, ``--qd``
-  operations in flight).
+  operations in flight);
+* the NVMe tier (``bench/compare/nvme.py``): raw ``dd`` direct I/O of ``--nvme-dir``
+  against ``gcache-bench write|read --tier nvme`` on the same directory.
 
 Prints every figure and the ratios GCache / peer, writes JSON and a PNG chart.
 The peers are installed on first use (apt / pip); nothing here is a test dependency.
@@ -27,6 +29,7 @@ import time
 from importlib import import_module
 from typing import Any
 
+from bench.compare import nvme
 from bench.compare.peers import PEERS
 from bench.compare.report import chart, print_ratios, print_table, ratios
 
@@ -44,7 +47,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4, help="operations in flight")
     p.add_argument("--seconds-cap", type=float, default=20.0, help="time cap per peer")
     p.add_argument(
-        "--skip", default="", help="peers to leave out: limits,redis_peer,mooncake_peer,gcache"
+        "--skip",
+        default="",
+        help="peers to leave out: limits,redis_peer,mooncake_peer,gcache,nvme",
+    )
+    p.add_argument(
+        "--nvme-dir",
+        default="",
+        help="directory on the disk under test for the NVMe rows (default: the temp dir)",
+    )
+    p.add_argument("--nvme-sizes", default=nvme.DEFAULT_SIZES, help="NVMe object sizes")
+    p.add_argument(
+        "--nvme-total", default="512MiB", help="bytes per NVMe size (dd and gcache-bench)"
     )
     p.add_argument("--json", default="bench/results/compare.json")
     p.add_argument("--plot", default="bench/results/compare.png")
@@ -165,9 +179,23 @@ def main(argv: list[str] | None = None) -> None:
             skipped["gcache"] = err
             print(f"# gcache: {err}", flush=True)
         print(f"# gcache: {len(got)} rows in {time.monotonic() - t0:.1f} s", flush=True)
+    nvme_sizes: list[int] = []
+    if "nvme" not in skip:
+        from gcache.config import parse_size
+
+        nvme_sizes = _sizes(args.nvme_sizes)
+        where = args.nvme_dir or tempfile.gettempdir()
+        print(f"# nvme: dd direct vs gcache-bench --tier nvme in {where} ...", flush=True)
+        t0 = time.monotonic()
+        got, err = nvme.run(where, nvme_sizes, parse_size(args.nvme_total), args.concurrency)
+        rows += got
+        if err:
+            skipped["nvme"] = err
+            print(f"# nvme: {err}", flush=True)
+        print(f"# nvme: {len(got)} rows in {time.monotonic() - t0:.1f} s", flush=True)
     print()
     print_table(rows)
-    rat = ratios(rows, sizes)
+    rat = ratios(rows, sorted({*sizes, *nvme_sizes}))
     print()
     print_ratios(rat)
     for name, why in skipped.items():
@@ -178,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         "iters": args.iters,
         "concurrency": args.concurrency,
         "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
         "seconds": round(time.monotonic() - t_start, 1),
         "rows": rows,
         "ratios": rat,

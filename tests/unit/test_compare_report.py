@@ -72,3 +72,29 @@ def test_chart_and_human(tmp_path: Any) -> None:
     out = tmp_path / "c.png"
     assert chart([row("gcache (TCP)", "read", MIB, 1.0), row("x", "bw", 0, 1.0)], str(out)) == ""
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_nvme_rows_ratio_against_raw_dd_at_every_size() -> None:
+    """Issue 10: GCache's NVMe write/read against dd direct on the same directory,
+    target 0.7x at 1 MiB and 16 MiB alike; dd's summary line is parsed."""
+    from bench.compare.nvme import GCACHE, RAW, parse_dd
+
+    assert parse_dd(
+        "512+0 records in\n512+0 records out\n"
+        "536870912 bytes (537 MB, 512 MiB) copied, 0.402 s, 1.3 GB/s\n"
+    ) == (536870912, 0.402)
+    with pytest.raises(RuntimeError, match="no summary"):
+        parse_dd("dd: failed to open")
+    rows = [
+        row(RAW, "write", MIB, 1.0, 1),
+        row(RAW, "read", MIB, 2.0, 1),
+        row(GCACHE, "write", MIB, 0.8, 1),
+        row(GCACHE, "read", MIB, 0.4, 1),
+        row(RAW, "read", 16 * MIB, 2.0, 1),
+        row(GCACHE, "read", 16 * MIB, 1.5, 1),
+    ]
+    got = {(r["op"], r["bytes"]): r for r in ratios(rows, [MIB, 16 * MIB])}
+    assert got[("write", MIB)]["met"] is True and got[("write", MIB)]["ratio"] == 0.8
+    assert got[("read", MIB)]["met"] is False and got[("read", MIB)]["target"] == 0.7
+    assert got[("read", 16 * MIB)]["target"] == 0.7 and got[("read", 16 * MIB)]["met"] is True
+    assert parse_args(["--skip", "nvme"]).nvme_sizes == "1MiB,16MiB"

@@ -1,0 +1,109 @@
+"""NVMe rows of ``python -m bench.compare`` (issue 10): the directory's raw
+sequential bandwidth with ``dd`` (``oflag=direct conv=fdatasync`` / ``iflag=direct``,
+the object size as block size) against GCache's NVMe tier on the same directory
+through a local meta + server (``gcache-bench write|read --tier nvme``: the demotion
+bandwidth, and tier-1 reads through the client over TCP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+RAW = "raw disk (dd direct)"
+GCACHE = "gcache (NVMe)"
+DEFAULT_SIZES = "1MiB,16MiB"
+_COPIED = re.compile(r"(\d+) bytes .*copied, ([0-9.]+) s")
+
+
+def parse_dd(stderr: str) -> tuple[int, float]:
+    """(bytes, seconds) from dd's summary line."""
+    m = _COPIED.search(stderr)
+    if m is None:
+        raise RuntimeError(f"dd printed no summary: {stderr.strip()[-200:]}")
+    return int(m.group(1)), float(m.group(2))
+
+
+def _row(system: str, op: str, size: int, n: int, gbps: float, note: str) -> dict[str, Any]:
+    return {
+        "system": system,
+        "op": op,
+        "bytes": size,
+        "iterations": n,
+        "concurrency": 1,
+        "bw_avg_gbps": round(gbps, 3),
+        "bw_peak_gbps": round(gbps, 3),
+        "lat_p50_us": None,
+        "lat_p99_us": None,
+        "note": note,
+    }
+
+
+def raw_rows(directory: str, size: int, total: int) -> list[dict[str, Any]]:
+    """dd write then read of ``total`` bytes in blocks of ``size``, O_DIRECT."""
+    count = max(1, total // size)
+    path = os.path.join(directory, f"compare-dd-{size}.tmp")
+    rows: list[dict[str, Any]] = []
+    try:
+        for op, cmd in (
+            ("write", ["dd", "if=/dev/zero", f"of={path}", f"bs={size}", f"count={count}",
+                       "oflag=direct", "conv=fdatasync"]),
+            ("read", ["dd", f"if={path}", "of=/dev/null", f"bs={size}", "iflag=direct"]),
+        ):  # fmt: skip
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()[-200:]}")
+            nbytes, secs = parse_dd(r.stderr)
+            rows.append(_row(RAW, op, size, count, nbytes / max(secs, 1e-9) / 1e9, " ".join(cmd)))
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return rows
+
+
+def gcache_row(directory: str, op: str, size: int, count: int, qd: int) -> dict[str, Any]:
+    """One ``gcache-bench OP --tier nvme`` run (its own local meta + server)."""
+    with tempfile.TemporaryDirectory(prefix="compare-nvme-") as tmp:
+        out = os.path.join(tmp, "row.json")
+        args = [op, "-s", str(size), "--tier", "nvme", "-n", str(count),
+                "--nvme-dir", directory, "--json", out]  # fmt: skip
+        if op == "read":
+            args += ["--qd", str(qd)]
+        cmd = [sys.executable, "-m", "gcache.benchtool.main", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if r.returncode != 0:
+            raise RuntimeError(
+                f"gcache-bench {' '.join(args)}: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+            )
+        with open(out) as fh:
+            g = json.load(fh)[0]
+    what = (
+        "demotion: the meta's demoted_bytes over the time it grew"
+        if op == "write"
+        else (f"tier-1 reads through the client over TCP, {qd} in flight, checksums verified")
+    )
+    return _row(GCACHE, op, size, int(g["iterations"]), g["bw_avg_gbps"],
+                f"gcache-bench {' '.join(args[:-2])}: {what}")  # fmt: skip
+
+
+def run(directory: str, sizes: list[int], total: int, qd: int) -> tuple[list[dict[str, Any]], str]:
+    """Raw and GCache rows for every size; (rows so far, error) on a failure."""
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            t0 = time.monotonic()
+            rows += raw_rows(directory, size, total)
+            count = max(8, total // size)
+            for op in ("write", "read"):
+                rows.append(gcache_row(directory, op, size, count, qd if size <= 4 << 20 else 2))
+            print(f"# nvme {size}: {time.monotonic() - t0:.1f} s", flush=True)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        return rows, str(exc)
+    return rows, ""
