@@ -136,6 +136,66 @@ def _spy(pids: dict[str, int], folder: str, tag: str) -> list[subprocess.Popen[b
     return out
 
 
+def layers_case(
+    d: Any, transport: str, prompt: int, iters: int, pids: dict[str, int]
+) -> dict[str, Any]:
+    """``gcache-bench get_layers`` (the same measurement: transfer-only passes, then
+    compute = transfer) with load-or-recompute off, and its anchor: numpy copies
+    of the same objects' bytes out of the same mapped segment into a preallocated
+    buffer (no checksum)."""
+    import numpy as np
+
+    from gcache.benchtool.layers import run_get_layers
+    from gcache.transport.shm import MappedSegment
+    from gcache_client import GCacheClient
+
+    quiet = Progress("", 1, open(os.devnull, "w"))  # noqa: SIM115
+    cfg = d.client_config(transport=transport, timeout_s=30.0, load_or_recompute=False)
+    with GCacheClient(cfg) as client:
+        ns = client.register_namespace(f"dataplane/layers/{time.time_ns()}", "mimo-v2-flash")
+        toks = np.arange(prompt, dtype=np.int64)
+        before = {name: cpu_s(pid) for name, pid in pids.items()}
+        samples, extra = run_get_layers(client, ns, toks, iters, "sleep", 0.0, quiet)
+        after = {name: cpu_s(pid) for name, pid in pids.items()}
+        m = client.match(ns, toks)
+        spans = [
+            (m.servers[o.server].shm_path, o.grant.offset, o.grant.length)
+            for o in m.objects.values()
+        ]
+        client.release(m)
+    nbytes = sum(n for _, _, n in spans)
+    segs = {path: MappedSegment(path, populate=True) for path, _, _ in spans}
+    out = np.ones(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(5):
+        pos = 0
+        t0 = time.perf_counter()
+        for path, off, n in spans:
+            with segs[path].hold() as arr:
+                np.copyto(out[pos : pos + n], arr[off : off + n])
+            pos += n
+        best = min(best, time.perf_counter() - t0)
+    for seg in segs.values():
+        seg.close()
+    moved = sum(samples.nbytes)
+    cpu = {k: after[k] - before[k] for k in pids}
+    # run_get_layers moves the prompt 3 times (transfer only) + iters times
+    total_gb = moved / 1e9 * (iters + 3) / iters
+    return {
+        "op": "get_layers",
+        "transport": transport,
+        "prompt": prompt,
+        "bytes": nbytes,
+        "transfer_ms": extra["transfer_only_us"] / 1e3,
+        "numpy_copy_ms": best * 1e3,
+        "ratio": extra["transfer_only_us"] / 1e6 / best,
+        "ttfl_ms": extra["ttfl_us"] / 1e3,
+        "overlap": extra["overlap"],
+        "cpu_s_per_gb": {k: v / total_gb for k, v in cpu.items()},
+        "cpu_s_per_gb_total": sum(cpu.values()) / total_gb,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--sizes", default="1MiB,16MiB")
@@ -145,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bytes", default="1GiB", help="bytes moved per case (at most 2000 ops)")
     p.add_argument("--capacity", default="1GiB", help="the server's segment")
     p.add_argument("--profile", default="", help="folder for py-spy raw stacks")
+    p.add_argument("--layers", default="", help="get_layers over these transports instead")
+    p.add_argument("--prompt", type=int, default=32768, help="--layers: prompt tokens")
+    p.add_argument("-n", "--iters", type=int, default=3, help="--layers: iterations")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     from gcache.cli.deploy import LocalDeployment
@@ -153,7 +216,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gcache-dp-") as tmp:
-        d = LocalDeployment(tmp, servers=1, capacity=args.capacity, metrics_port=-1)
+        d = LocalDeployment(
+            tmp,
+            servers=1,
+            capacity=args.capacity,
+            metrics_port=-1,
+            # as gcache-bench; and a whole 32k-token prompt (780 MB) in one put
+            meta_args=[
+                *("--high-watermark", "0.95", "--low-watermark", "0.9"),
+                *("--max-pending-per-client", "0.9", "--max-pending-total", "0.9"),
+            ],
+        )
         d.start()
         try:
             assert d.meta is not None
@@ -162,7 +235,17 @@ def main(argv: list[str] | None = None) -> None:
                 "server": d.servers[0].popen.pid,
                 "meta": d.meta.popen.pid,
             }
-            for transport in args.transports.split(","):
+            for transport in [t for t in args.layers.split(",") if t]:
+                row = layers_case(d, transport, args.prompt, args.iters, pids)
+                rows.append(row)
+                print(
+                    f"get_layers {transport:<3} {row['bytes'] / 1e6:.1f} MB: transfer "
+                    f"{row['transfer_ms']:.1f} ms, numpy copy {row['numpy_copy_ms']:.1f} ms "
+                    f"({row['ratio']:.2f}x), TTFL {row['ttfl_ms']:.1f} ms, overlap "
+                    f"{row['overlap']:.3f} | CPU s/GB {row['cpu_s_per_gb_total']:.3f}",
+                    flush=True,
+                )
+            for transport in args.transports.split(",") if not args.layers else []:
                 for size_s in args.sizes.split(","):
                     size = parse_size(size_s)
                     iters = max(20, min(2000, parse_size(args.bytes) // size))
