@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from gcache.config import parse_size
+from gcache.config import MetaConfig, parse_size
 from gcache.errors import ConfigError, GCacheError, LayoutError
 from gcache.layout import PRESETS
 from gcache.replay import report, router_report
@@ -51,6 +51,11 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=Options.compute_tflops,
         help="the engine's prefill TFLOP/s (the load-or-recompute and demotion rules)",
+    )
+    rp.add_argument(
+        "--promotion",
+        default=Options.promotion,
+        help="the meta's promotion policy: off, or hits:N (NVMe back to DRAM on N hits)",
     )
     rp.add_argument(
         "--no-load-or-recompute",
@@ -106,7 +111,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             nvme_gbps=args.nvme_gbps,
             compute_tflops=args.compute_tflops,
             load_or_recompute=args.load_or_recompute,
+            promotion=args.promotion,
         )
+        MetaConfig(promotion=args.promotion).check()
         t0 = time.perf_counter()
         trace = load(args.trace, args.block_size, args.limit)
         if not args.quiet:

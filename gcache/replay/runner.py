@@ -57,6 +57,7 @@ class Options:
     nvme_gbps: float = 5.0  # read bandwidth from a server's NVMe tier into the engine
     compute_tflops: float = ClientConfig.compute_tflops  # the engine's prefill rate
     load_or_recompute: bool = ClientConfig.load_or_recompute
+    promotion: str = MetaConfig.promotion  # "off" or "hits:N"
 
 
 def naive_spec(spec: LayoutSpec) -> LayoutSpec:
@@ -96,7 +97,9 @@ def replay(
         compute_tflops=opts.compute_tflops,
         # Every demotion completes before the next request (ServerSim): none waits.
         max_demotions_in_flight=1 << 30,
+        promotion=opts.promotion,
     )
+    cfg.check()
     core = MetaCore(cfg)
     belady: BeladyPolicy | None = None
     addr = wire.ServerAddr(
@@ -263,6 +266,8 @@ def replay(
         "swa_vs_required": swa_bytes / bound if bound else None,
         "objects_evicted": int(stats["evictions"]),
         "objects_demoted": int(stats["demotions_done"]),
+        "objects_promoted": int(stats["promotions_done"]),
+        "promotion": opts.promotion,
         "demoted_bytes": demoted,
         "dropped_not_demoted": int(stats["dropped_not_demoted"]),
         "nvme_evictions": int(stats["nvme_evictions"]),

@@ -12,7 +12,8 @@ object demoted (an NVMe address from a log cursor, as the server's log-structure
 tier would) in the next heartbeat, and repeats until nothing is left in flight, so
 every demotion completes before the next request (a disk that keeps up; the
 replay reports the write bandwidth that takes as ``demote_gbps``). The adopt,
-free and drop outboxes are emptied by the same heartbeats.
+free and drop outboxes are emptied by the same heartbeats, and promotions (NVMe
+back to DRAM on repeated hits, ``meta.promotion = "hits:N"``) complete the same way.
 
 **Client side.** :func:`load_plan` applies ``gcache_client.tiers.best_cut`` to the
 objects a match reads, at the tiers' read bandwidths and the engine's prefill
@@ -30,7 +31,7 @@ from gcache import wire
 from gcache.compute import ModelCompute
 from gcache.meta.core import MetaCore
 from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord
-from gcache.meta.tiers import Demotion
+from gcache.meta.tiers import Demotion, Promotion
 from gcache_client.tiers import best_cut
 
 # Heartbeats per drain, at most: each moves up to the meta's per-reply limits
@@ -46,6 +47,7 @@ class ServerSim:
         self.srv = srv
         self.cursor = 0  # next NVMe address (a log that never wraps)
         self.demotions = 0
+        self.promotions = 0
         self.heartbeats = 0
 
     def drain(self, now: float) -> None:
@@ -53,18 +55,24 @@ class ServerSim:
         srv = self.srv
         core = self.core
         done: list[Demotion] = []
+        up: list[Promotion] = []
         for _ in range(MAX_HEARTBEATS):
-            out = core.tier_heartbeat(srv.server_id, srv.incarnation, {}, now, demoted=done)
+            out = core.tier_heartbeat(
+                srv.server_id, srv.incarnation, {}, now, demoted=done, promoted=up
+            )
             self.heartbeats += 1
             done = []
             for obj, _ns in out.demote:
                 done.append(Demotion(obj.offset, obj.length, self.cursor, True))
                 self.cursor += obj.length
+            up = [Promotion(obj.offset, obj.length, off, True) for obj, _ns, off in out.promote]
             self.demotions += len(done)
-            if not done and not (srv.demote_out or srv.adopt_out or srv.drop_out or srv.demoting):
+            self.promotions += len(up)
+            busy = done or up or srv.demote_out or srv.adopt_out or srv.drop_out
+            if not (busy or srv.demoting or srv.promoting or srv.promote_out):
                 return
-        if done:  # past the bound: report what this round did, the rest waits
-            core.tier_heartbeat(srv.server_id, srv.incarnation, {}, now, demoted=done)
+        if done or up:  # past the bound: report what this round did, the rest waits
+            core.tier_heartbeat(srv.server_id, srv.incarnation, {}, now, demoted=done, promoted=up)
 
 
 @dataclass

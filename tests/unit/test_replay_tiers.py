@@ -13,6 +13,7 @@ import pytest
 from gcache import wire
 from gcache.cli.main import main
 from gcache.config import MetaConfig
+from gcache.errors import ConfigError
 from gcache.layout import preset
 from gcache.meta.core import MetaCore
 from gcache.replay.runner import Options, replay, sweep
@@ -176,3 +177,15 @@ def test_sweep_crosses_dram_and_nvme(trace: Trace) -> None:
     assert [(r["capacity_bytes"], r["nvme_capacity_bytes"]) for r in rows] == [
         (DRAM, 0), (DRAM, 20 * GB), (20 * GB, 0), (20 * GB, 20 * GB),
     ]  # fmt: skip
+
+
+def test_promotion_brings_repeated_hits_back_to_dram(trace: Trace) -> None:
+    off = replay(trace, "lru", DRAM, Options(), nvme_capacity=20 * GB)
+    on = replay(trace, "lru", DRAM, Options(promotion="hits:1"), nvme_capacity=20 * GB)
+    assert off["objects_promoted"] == 0 and off["promotion"] == "off"
+    assert on["objects_promoted"] > 0 and on["promotion"] == "hits:1"
+    # The meta's promotion code ran through the simulated server's heartbeats; the
+    # replay measures what it does to hits (it does not assume it helps).
+    assert on["token_hit_rate"] > 0
+    with pytest.raises(ConfigError, match="promotion"):
+        replay(trace, "lru", DRAM, Options(promotion="sometimes"), nvme_capacity=GB)
