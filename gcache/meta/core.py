@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any
 
 from gcache import keys, wire
@@ -112,7 +112,7 @@ class MetaCore(Rebuild):
         self._compute = {}
         self.parked_ns = {}
         self.parked_parent = {}
-        self.parked_all = OrderedDict()
+        self.parked_all = {}
         self.namespaces = {}
         self._ns_by_id: dict[int, NamespaceRecord] = {}
         self.servers = {}

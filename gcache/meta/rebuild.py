@@ -23,7 +23,6 @@ two servers) keep the first reported; the other is freed. No I/O.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -74,7 +73,7 @@ class Rebuild(Tiers):
     # (namespace, parent key) -> parked records waiting for that parent block
     parked_parent: dict[tuple[bytes, bytes], list[Parked]]
     # every parked record in arrival order (id -> record): bound and expiry
-    parked_all: OrderedDict[int, Parked]
+    parked_all: dict[int, Parked]
 
     def begin_report(self, srv: ServerRecord) -> None:
         """``srv`` will report what it holds: no placement on it until it is done."""
@@ -200,7 +199,7 @@ class Rebuild(Tiers):
             srv.parked[rec.offset] = rec
         self.counters["objects_parked"] += 1
         while len(self.parked_all) > self.cfg.max_parked_objects:
-            _, old = self.parked_all.popitem(last=False)
+            old = self.parked_all.pop(next(iter(self.parked_all)))
             self._unpark(old)
             self._release_parked(old)
             self.counters["parked_dropped"] += 1
@@ -243,14 +242,16 @@ class Rebuild(Tiers):
         those, and so on). Returns the objects adopted."""
         n = 0
         stack = [first]
+        parked = self.parked_all
         while stack:
             rec = stack.pop()
-            if not self._is_parked(rec) and rec is not first:
+            if parked.pop(id(rec), None) is None and rec is not first:
                 continue  # a stale entry of a consumed list
-            self._unpark(rec)
-            srv = rec.server
+            srv = rec.server  # (off the parked books, as _unpark does)
             if srv is None or not srv.alive:
                 continue
+            if rec.tier == 0 and srv.parked.get(rec.offset) is rec:
+                del srv.parked[rec.offset]
             entry, created = self._entry_for(ns, rec)
             if entry is None:
                 self._park(rec, self.parked_parent.setdefault((rec.namespace, rec.parent), []))
