@@ -154,7 +154,8 @@ class Rebuild(Tiers):
                     key = (rec.namespace, rec.parent)
                     self._park(rec, self.parked_parent.setdefault(key, []))
                     return 0, 0
-            entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, ns.layout.num_groups)
+            groups = len(ns.layout.group_windows)  # num_groups, without the property call
+            entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, groups)
             self.entries += 1
             if ns.full_group is not None:
                 ns.full_holes += 1
@@ -288,7 +289,7 @@ class Rebuild(Tiers):
         layout = ns.layout
         g = rec.group
         if (
-            g >= layout.num_groups
+            g >= len(entry.objects)  # num_groups
             or rec.length != layout.group_object_bytes[g]
             or len(rec.sums) != 8 * len(layout.group_layers[g])
         ):
