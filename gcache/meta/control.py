@@ -83,19 +83,28 @@ class GcPause:
     (also on error) everything alive is moved to the permanent generation
     (``gc.freeze``, as the daemon does after start-up) and the collector resumes:
     it never rescans the rebuilt index. Index records are in no reference cycle
-    once unlinked (``RingNode.unlink``), so reference counting frees what leaves."""
+    once unlinked (``RingNode.unlink``), so reference counting frees what leaves.
+    Only after a real rebuild (at least ``FREEZE_MIN`` objects adopted during the
+    pause): a frozen object that later becomes cyclic garbage (a closed
+    connection's) is never collected, so small pauses do not freeze."""
 
-    def __init__(self) -> None:
+    FREEZE_MIN = 1 << 16
+
+    def __init__(self, adopted: Callable[[], int] = lambda: 0) -> None:
+        self.adopted = adopted  # objects adopted so far (MetaCore counter)
         self.depth = 0
         self.was_enabled = False
         self.paused_s = 0.0
+        self.freezes = 0
         self._since = 0.0
+        self._adopted_at = 0
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
         if self.depth == 0:
             self.was_enabled = gc.isenabled()
             self._since = time.monotonic()
+            self._adopted_at = self.adopted()
             gc.disable()
         self.depth += 1
         try:
@@ -104,7 +113,9 @@ class GcPause:
             self.depth -= 1
             if self.depth == 0:
                 self.paused_s += time.monotonic() - self._since
-                gc.freeze()
+                if self.adopted() - self._adopted_at >= self.FREEZE_MIN:
+                    gc.freeze()
+                    self.freezes += 1
                 if self.was_enabled:
                     gc.enable()
 
@@ -143,7 +154,8 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         self.hotpath = hotpath  # HotPathServer.stats: its connection counters
         self.refused_unauthenticated = 0
         self.refused_duplicate_id = 0
-        self.gc_pause = GcPause()  # while reports are adopted
+        # While reports are adopted (see GcPause).
+        self.gc_pause = GcPause(lambda: core.counters["objects_adopted"])
 
     def stats(self) -> dict[str, int]:
         """The control service's counters and the hot path's (``hotpath_*``)."""
@@ -321,7 +333,10 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             }
             if not request.model:
                 raise LayoutError("model is required")
-            with self.gc_pause():  # it may adopt what was reported for it
+            if self.core.parked_all:
+                with self.gc_pause():  # it may adopt what was reported for it
+                    ns = self.core.register_namespace(descriptor, spec)
+            else:
                 ns = self.core.register_namespace(descriptor, spec)
         except LayoutError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

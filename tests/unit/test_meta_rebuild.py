@@ -16,18 +16,25 @@ from gcache.meta.records import DETACHED, RingNode
 from tests.unit.test_meta_tiers import KB, SLOW, addr, make, put, report_of, toks
 
 
-def test_gc_pause_nests_restores_and_freezes() -> None:
-    pause = GcPause()
+def test_gc_pause_nests_restores_and_freezes_only_after_a_rebuild() -> None:
+    adopted = [0]
+    pause = GcPause(lambda: adopted[0])
     assert gc.isenabled()
     frozen = gc.get_freeze_count()
     try:
+        with pause():
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        assert pause.freezes == 0, "nothing adopted: nothing frozen"
         with pause():
             assert not gc.isenabled()
             with pause():
                 assert not gc.isenabled()
             assert not gc.isenabled(), "the outer report is still in progress"
             keep = [RingNode() for _ in range(1000)]  # what a rebuild allocates
+            adopted[0] += GcPause.FREEZE_MIN
         assert gc.isenabled()
+        assert pause.freezes == 1
         assert gc.get_freeze_count() >= frozen + len(keep)
         with pytest.raises(RuntimeError), pause():
             raise RuntimeError("a report stream failed")
