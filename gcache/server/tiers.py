@@ -342,13 +342,15 @@ class TierState:
                 o = c.object
                 self.promoted.append(
                     pb.Promoted(
-                        nvme_offset=o.offset, length=o.length, dram_offset=c.dram_offset,
+                        nvme_offset=o.offset,
+                        length=o.length,
+                        dram_offset=c.dram_offset,
                         error="no NVMe",
                     )
                 )
             return
         self._loop = asyncio.get_running_loop()
-        fut = self._writer.submit(self._promote_work, cmds)
+        fut = self._writer.submit(self._promote_work, cmds, self.epoch)
         loop = self._loop
 
         def finished(f: concurrent.futures.Future[list[tuple[pb.Promoted, StoredRecord]]]) -> None:
@@ -364,8 +366,10 @@ class TierState:
         fut.add_done_callback(finished)
 
     def _promote_work(
-        self, cmds: list[pb.PromoteCommand]
+        self, cmds: list[pb.PromoteCommand], epoch: int
     ) -> list[tuple[pb.Promoted, StoredRecord]]:
+        """Worker thread. A command of an older meta (the server registered again
+        since: a new meta may have placed data in that range) copies nothing."""
         nvme = self.nvme
         assert nvme is not None
         seg = self.segment
@@ -375,7 +379,9 @@ class TierState:
             dram, length = cmd.dram_offset, rec.length
             res = pb.Promoted(nvme_offset=rec.offset, length=length, dram_offset=dram)
             inside = length > 0 and seg.in_bounds(dram, length)
-            if not inside or not nvme.covers(rec.offset, length):
+            if self.epoch != epoch:
+                res.error = "the meta changed (epoch): not copied"
+            elif not inside or not nvme.covers(rec.offset, length):
                 res.error = "range outside the segment or the tier"
             else:
                 try:
