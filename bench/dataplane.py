@@ -164,7 +164,7 @@ def layers_case(
         ]
         client.release(m)
     nbytes = sum(n for _, _, n in spans)
-    segs = {path: MappedSegment(path, populate=True) for path, _, _ in spans}
+    segs = {path: MappedSegment(path, populate=True) for path in {p for p, _, _ in spans}}
     out = np.ones(nbytes, np.uint8)
     best = float("inf")
     for _ in range(5):
