@@ -439,15 +439,16 @@ class ClientConfig:
         default=True,
     )
     compute_tflops: float = _doc(
-        "the engine's prefill throughput for that rule (TFLOP/s; the model's FLOPs come "
-        "from the compute model of docs/eviction.md)",
-        default=400.0,
+        "the engine's effective prefill throughput for that rule (TFLOP/s; the model's "
+        "FLOPs come from the compute model of docs/eviction.md); 0: not known, so the "
+        "rule cannot judge and every match is loaded whole",
+        default=0.0,
     )
 
     def check(self) -> None:
         _check_fields(self)
-        if not self.compute_tflops > 0:
-            raise ConfigError(f"client.compute_tflops must be > 0, got {self.compute_tflops!r}")
+        if not self.compute_tflops >= 0:
+            raise ConfigError(f"client.compute_tflops must be >= 0, got {self.compute_tflops!r}")
         if self.router:
             _check_hostport("client.router", self.router)
             if not self.instance_id:

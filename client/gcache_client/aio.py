@@ -248,7 +248,12 @@ class AsyncGCacheClient:
             self.counters["misses"] += 1
             self._report_hits(len(tokens), local_tokens, 0)
             return Match(ns, 0, 0)
-        if self.config.load_or_recompute and res.blocks and res.objects:
+        if (
+            self.config.load_or_recompute
+            and self.config.compute_tflops > 0
+            and res.blocks
+            and res.objects
+        ):
             res = await self._load_or_recompute(ns, block_keys, res)
         self.counters["hits" if res.blocks else "misses"] += 1
         self._report_hits(len(tokens), local_tokens, int(res.tokens))
