@@ -445,7 +445,10 @@ def bench(args: argparse.Namespace, sizes: list[int]) -> int:
         capacity = args.capacity or {"lookup": "2TiB", "get_layers": "2GiB"}.get(args.op, "4GiB")
         server_args = ["--no-populate", "--no-reserve"] if args.op == "lookup" else []
         nvme_size = "0"
+        # One client is the whole workload here: let its puts reserve most of the
+        # store (the default bounds keep one tenant of many from flushing it).
         meta_args = ["--high-watermark", "0.95", "--low-watermark", "0.9"]
+        meta_args += ["--max-pending-per-client", "0.9", "--max-pending-total", "0.9"]
         if nvme:  # a small DRAM segment: most of what is written goes on to NVMe
             from gcache.benchtool.tiers import WATERMARKS, default_count
 
