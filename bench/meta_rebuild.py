@@ -19,8 +19,11 @@ Measured: wall time from the first ``RegisterServer`` to the last
 ``ReportObjectsReply`` (``--namespace first``: the namespace was registered again
 before, as a client that came back first does) or to the ``RegisterNamespace``
 that adopts what was parked for it (``--namespace last``); then ``GetStats``
-checks every object is in the index and nothing is left parked. Memory: the meta's
-RSS (``/proc/PID/status`` VmRSS) before and after, and its peak (VmHWM). The
+checks every object is in the index and nothing is left parked (the servers
+heartbeat meanwhile, as real ones do). CPU: the meta process's user + system
+time over the same span (``/proc/PID/stat``), the figure that does not depend on
+what else runs on the host. Memory: the meta's RSS (``/proc/PID/status`` VmRSS)
+before and after, and its peak (VmHWM). The
 records are built and serialised before the clock starts (the servers have their
 manifest in memory), so the time is the meta's.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -44,7 +48,7 @@ import msgspec
 from gcache import keys
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
-from gcache.cli.deploy import LocalDeployment, fetch_stats
+from gcache.cli.deploy import LocalDeployment
 from gcache.layout import Layout, preset
 
 CHUNK = 2048  # records per ReportObjects message (gcache/server/tiers.py REPORT_CHUNK)
@@ -136,6 +140,12 @@ def manifests(
     return out, caps, total
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kib(pid: int) -> dict[str, int]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -146,10 +156,12 @@ def rss_kib(pid: int) -> dict[str, int]:
 
 
 async def play(
-    target: str, chunks: list[list[bytes]], caps: list[int], ns_req: Any, ns_last: bool
-) -> tuple[float, list[tuple[int, int]]]:
-    """Register every server and stream its report; returns (seconds, per-server
-    (adopted, dropped))."""
+    target: str, pid: int, chunks: list[list[bytes]], caps: list[int], ns_req: Any, ns_last: bool
+) -> tuple[float, float, float, Any, list[tuple[int, int]]]:
+    """Register every server, stream its report, heartbeat; returns (seconds, meta
+    CPU seconds, seconds until GetStats answered, the stats, per-server (adopted,
+    dropped))."""
+    cpu0 = cpu_s(pid)
     channels = [grpc.aio.insecure_channel(target) for _ in chunks]
     stubs = [pb_grpc.ControlStub(c) for c in channels]
     raw_report = [
@@ -163,7 +175,7 @@ async def play(
     for c in channels:
         await c.channel_ready()
 
-    async def one(i: int) -> tuple[int, int]:
+    async def one(i: int, epochs: dict[int, int]) -> tuple[int, int]:
         sid = f"bench{i}"
         reg = pb.RegisterServerRequest(
             server_id=sid, host="127.0.0.1", port=40000 + i, hostname="bench",
@@ -172,7 +184,7 @@ async def play(
             objects=1,  # any count > 0: it will report
         )  # fmt: skip
         reply = await stubs[i].RegisterServer(reg, timeout=60)
-        epoch = reply.epoch
+        epoch = epochs[i] = reply.epoch
         parts = chunks[i]
 
         def frames() -> Any:
@@ -185,14 +197,31 @@ async def play(
         got = await raw_report[i](frames(), timeout=600)
         return got.adopted, got.dropped
 
+    epochs: dict[int, int] = {}
+
+    async def beats() -> None:
+        # Heartbeats as a server sends them (else the meta drops the servers).
+        while True:
+            await asyncio.sleep(0.5)
+            for i, ep in list(epochs.items()):
+                beat = pb.HeartbeatRequest(server_id=f"bench{i}", incarnation=7, epoch=ep)
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await stubs[i].Heartbeat(beat, timeout=60)
+
+    beating = asyncio.create_task(beats())
     t0 = time.perf_counter()
-    res = await asyncio.gather(*(one(i) for i in range(len(chunks))))
+    res = await asyncio.gather(*(one(i, epochs) for i in range(len(chunks))))
     if ns_last:
         await stubs[0].RegisterNamespace(ns_req, timeout=600)
     dt = time.perf_counter() - t0
+    cpu = cpu_s(pid) - cpu0
+    t = time.perf_counter()
+    stats = await stubs[0].GetStats(pb.GetStatsRequest(), timeout=600)
+    settle = time.perf_counter() - t
+    beating.cancel()
     for c in channels:
         await c.close()
-    return dt, list(res)
+    return dt, cpu, settle, stats, list(res)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,11 +248,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     got = pb_grpc.ControlStub(ch).RegisterNamespace(ns_req, timeout=30)
                     assert got.fingerprint == fp, "namespace fingerprint differs"
             before = rss_kib(pid)
-            dt, res = asyncio.run(play(target, chunks, caps, ns_req, args.namespace_last))
-            t = time.perf_counter()
-            st = fetch_stats(target, timeout=300)  # answered once the meta is idle again
-            settle = time.perf_counter() - t
+            dt, cpu, settle, st, res = asyncio.run(
+                play(target, pid, chunks, caps, ns_req, args.namespace_last)
+            )
             after = rss_kib(pid)
+            if int(st.counters.get("objects", 0)) != total:
+                log = (Path(tmp) / "meta.log").read_text().splitlines()
+                print("meta log (last lines):", *log[-15:], sep="\n  ", file=sys.stderr)
         finally:
             dep.stop()
     c = st.counters
@@ -236,6 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "nvme_fraction": args.nvme_fraction,
         "rebuild_s": round(dt, 3),
         "us_per_object": round(dt / total * 1e6, 2),
+        "meta_cpu_s": round(cpu, 3),
+        "load_avg_1m": os.getloadavg()[0],
         "first_stats_after_s": round(settle, 3),
         "adopted": int(c.get("objects", 0)),
         "dropped": sum(d for _, d in res),
@@ -269,6 +302,7 @@ def main() -> None:
         ("servers, manifest order, namespace", f"{r['servers']}, {r['order']}, {r['namespace']}"),
         ("rebuild (first RegisterServer -> all adopted)", f"{r['rebuild_s']:.2f} s"),
         ("per object", f"{r['us_per_object']:.1f} us"),
+        ("meta CPU during it", f"{r['meta_cpu_s']:.2f} s (load average {r['load_avg_1m']:.1f})"),
         ("then GetStats answered after", f"{r['first_stats_after_s']:.2f} s"),
         (
             "in the index / parked left / dropped",
