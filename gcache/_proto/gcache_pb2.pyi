@@ -45,12 +45,14 @@ class ReportObjectsRequest(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class ReportObjectsReply(_message.Message):
-    __slots__ = ("adopted", "dropped")
+    __slots__ = ("adopted", "dropped", "parked")
     ADOPTED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
     adopted: int
     dropped: int
-    def __init__(self, adopted: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+    parked: int
+    def __init__(self, adopted: _Optional[int] = ..., dropped: _Optional[int] = ..., parked: _Optional[int] = ...) -> None: ...
 
 class DemoteCommand(_message.Message):
     __slots__ = ("object",)

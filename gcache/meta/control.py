@@ -242,7 +242,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
 
     async def _report_objects(self, request_iterator: Any, context: Any) -> Any:
         adopted = dropped = 0
-        first = True
+        server_id = ""
         async for chunk in request_iterator:
             if chunk.epoch != self.core.epoch:
                 await context.abort(
@@ -263,16 +263,17 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 return None
             adopted += got[0]
             dropped += got[1]
-            if first or chunk.last:
-                first = False
-                if chunk.last:
-                    log.info(
-                        "server %s reported what it holds: %d objects adopted, %d dropped",
-                        chunk.server_id,
-                        adopted,
-                        dropped,
-                    )
-        return pb.ReportObjectsReply(adopted=adopted, dropped=dropped)
+            server_id = chunk.server_id
+        parked = self.core.parked_of(server_id) if server_id else 0
+        log.info(
+            "server %s reported what it holds: %d objects adopted, %d dropped, %d waiting "
+            "for their namespace or parent block",
+            server_id,
+            adopted,
+            dropped,
+            parked,
+        )
+        return pb.ReportObjectsReply(adopted=adopted, dropped=dropped, parked=parked)
 
     async def Heartbeat(self, request: Any, context: Any) -> Any:
         await self._require_cluster(context, "Heartbeat")

@@ -385,6 +385,11 @@ class Rebuild(Tiers):
         self.counters["objects_adopted"] += n
         return n
 
+    def parked_of(self, server_id: str) -> int:
+        """Records of ``server_id`` still parked (waiting for a namespace or parent)."""
+        srv = self.servers.get(server_id)
+        return sum(1 for r in self.parked_all.values() if r.server is srv) if srv else 0
+
     def expire_parked(self, now: float) -> None:
         """Free parked records older than ``parked_ttl_s``."""
         cutoff = now - self.cfg.parked_ttl_s
