@@ -19,6 +19,10 @@ normally), wide enough that the cold prefill takes seconds on a small CPU. Every
 vLLM instance runs in its own process (the ``--phase`` entry points below), with
 the same settings; GCache is a real ``gcache up`` (``LocalDeployment``) with one
 server on this machine (shared-memory transport).
+
+The *ideal* and *gcache* instances stay up side by side and take their timed
+prompts in turns (ideal, gcache, gcache, ideal, ...), so a change in the load of
+a shared machine hits both ways alike; the writer has finished before.
 """
 
 from __future__ import annotations
@@ -176,43 +180,97 @@ def counters(llm: Any) -> dict[str, int]:
 
 
 def phase(args: argparse.Namespace) -> dict[str, Any]:
+    """The writer runs its prompts and exits; ``local`` and ``reader`` warm up, say
+    ``READY`` and then run what the driver sends on stdin, one JSON line per
+    request (``{"way": ..., "i": ...}``), answering ``RESULT`` lines."""
     ps = prompts(args)
     connector = json.loads(args.connector) if args.connector else None
     llm = make_llm(args, connector)
     ttft(llm, ps["warm"][0])  # first-request overheads out of the way
-    res: dict[str, Any] = {}
-    if args.phase == "local":
-        res["cold"] = [ttft(llm, p) for p in ps["first"]]
-        res["ideal"] = [ttft(llm, p) for p in ps["second"]]
-    elif args.phase == "writer":
-        res["writer"] = [ttft(llm, p) for p in ps["warm_first"] + ps["first"]]
+    if args.phase == "writer":
+        res: dict[str, Any] = {"writer": [ttft(llm, p) for p in ps["warm_first"] + ps["first"]]}
         time.sleep(args.settle)  # background stores finish
-    else:
-        res["warm_load"] = ttft(llm, ps["warm_second"][0])
-        res["gcache"] = [ttft(llm, p) for p in ps["second"]]
-    res["counters"] = counters(llm)
-    return res
+        res["counters"] = counters(llm)
+        return res
+    if args.phase == "reader":
+        ttft(llm, ps["warm_second"][0])  # a fresh process's first long load
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["way"] == "done":
+            break
+        prompt = ps["first" if cmd["way"] == "cold" else "second"][cmd["i"]]
+        print("RESULT " + json.dumps(ttft(llm, prompt)), flush=True)
+    return {"counters": counters(llm)}
 
 
 # ---- the driver -----------------------------------------------------------------------
 
 
-def run_phase(args: argparse.Namespace, name: str, connector: dict[str, Any] | None) -> Any:
+def phase_cmd(args: argparse.Namespace, name: str, connector: dict[str, Any] | None) -> list[str]:
     cmd = [sys.executable, __file__, "--phase", name, "--model", args.model]
     for opt in ("prefix", "suffix", "repeat", "batched_tokens", "settle"):
         cmd += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
     if connector is not None:
         cmd += ["--connector", json.dumps(connector)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
+    return cmd
+
+
+def phase_env(args: argparse.Namespace) -> dict[str, str]:
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
+
+
+def run_phase(args: argparse.Namespace, name: str, connector: dict[str, Any] | None) -> Any:
     print(f"[{name}] starting a vLLM instance ...", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    cmd = phase_cmd(args, name, connector)
+    proc = subprocess.run(cmd, env=phase_env(args), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"phase {name} failed with exit code {proc.returncode}")
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     print(f"[{name}] done in {time.perf_counter() - t0:.0f} s", flush=True)
     return json.loads(line[len("RESULT ") :])
+
+
+class Instance:
+    """A vLLM instance kept up in a child process, taking prompts one at a time."""
+
+    def __init__(
+        self, args: argparse.Namespace, name: str, connector: dict[str, Any] | None
+    ) -> None:
+        self.name = name
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the child)
+        self.proc = subprocess.Popen(
+            phase_cmd(args, name, connector),
+            env=phase_env(args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        print(f"[{name}] starting a vLLM instance ...", flush=True)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        self.log.seek(0)
+        sys.stderr.write(self.log.read()[-8000:].decode(errors="replace"))
+        raise SystemExit(f"instance {self.name} exited with {self.proc.wait()}")
+
+    def ask(self, way: str, i: int = 0) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"way": way, "i": i}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT "))
+
+    def close(self) -> Any:
+        res = self.ask("done")
+        self.proc.wait(timeout=120)
+        return res
 
 
 def main_driver(args: argparse.Namespace) -> None:
@@ -229,21 +287,31 @@ def main_driver(args: argparse.Namespace) -> None:
                     kv_heads=args.kv_heads,
                 )
             )
-        local = run_phase(args, "local", None)
         with LocalDeployment(Path(tmp) / "gc", servers=1, capacity=args.capacity) as d:
             conn = {
                 "meta": d.meta_addr,
                 "meta_grpc": d.meta_grpc,
                 "transport": args.transport,
                 "model_id": "bench/vllm-ttft",
+                **json.loads(args.extra),
             }
             writer = run_phase(args, "writer", conn)
-            reader = run_phase(args, "reader", conn)
+            loc = Instance(args, "local", None)
+            cold_r = [loc.ask("cold", i) for i in range(args.repeat)]
+            rdr = Instance(args, "reader", conn)
+            ideal_r: list[Any] = []
+            gc_r: list[Any] = []
+            for i in range(args.repeat):  # in turns: ideal, gcache, gcache, ideal, ...
+                pair = [(ideal_r, loc, "ideal"), (gc_r, rdr, "gcache")]
+                for out, inst, way in pair if i % 2 == 0 else pair[::-1]:
+                    out.append(inst.ask(way, i))
+            local = {"counters": loc.close()["counters"]}
+            reader = {"counters": rdr.close()["counters"]}
             meta = d.stats()
-    cold = [t for t, _ in local["cold"]]
-    ideal = [t for t, _ in local["ideal"]]
-    gc = [t for t, _ in reader["gcache"]]
-    same = [a[1] == b[1] for a, b in zip(local["ideal"], reader["gcache"], strict=True)]
+    cold = [t for t, _ in cold_r]
+    ideal = [t for t, _ in ideal_r]
+    gc = [t for t, _ in gc_r]
+    same = [a[1] == b[1] for a, b in zip(ideal_r, gc_r, strict=True)]
     row = {
         "cold_s": statistics.median(cold),
         "ideal_s": statistics.median(ideal),
@@ -297,6 +365,7 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=3.0, help="s for the writer's stores")
     ap.add_argument("--model", default="", help="a checkpoint dir (default: write one)")
     ap.add_argument("--json", default="", help="write the results here too")
+    ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
     ap.add_argument("--phase", choices=("local", "writer", "reader"), help=argparse.SUPPRESS)
     ap.add_argument("--connector", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()

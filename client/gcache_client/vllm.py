@@ -17,8 +17,13 @@ are never held for a store.
 Worker side (:class:`_Worker`): ``start_load_kv`` starts ``get_layers`` for every
 loading request (reads run ahead on the client's I/O thread, straight into a
 host staging buffer); ``wait_for_layer_load(layer)`` waits for that layer only
-and scatters it into the paged KV cache blocks vLLM allocated, so the load
-overlaps the forward. ``save_kv_layer`` copies the rows this step computed into
+and copies it into the paged KV cache blocks vLLM allocated (one strided copy per
+run of consecutive blocks, :mod:`gcache_client.vllm_paged`), so the load
+overlaps the forward. With ``load_mode="async"`` the load runs on a background
+thread before the request is scheduled and is reported by
+``get_transfer_results`` (a failure as ``failed_recving``: vLLM recomputes the
+request, with any number of KV cache groups). ``save_kv_layer`` copies the rows
+this step computed into
 the staging buffer; once a prompt's last stored row is staged, ``wait_for_save``
 hands the put to a background thread (full groups every block, sliding-window
 groups only their window, plus the checkpoint windows the meta asks for). A load
@@ -40,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["MEDIUM", "GCacheConnector", "GCacheConnectorMetadata", "ReqStep"]
@@ -96,13 +103,18 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._sched is not None
-        return self._sched.matched(request, num_computed_tokens), False
+        n = self._sched.matched(request, num_computed_tokens)
+        return n, n > 0 and self._sched.async_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._sched is not None
-        self._sched.after_alloc(request, num_external_tokens)
+        self._sched.after_alloc(request, num_external_tokens, blocks.get_block_ids())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._sched is not None and connector_output.failed_recving:
+            self._sched.load_failed(set(connector_output.failed_recving))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -154,6 +166,17 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, GCacheConnectorMetadata)
         return meta
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Async loads done (a failed one is also finished) and failed: vLLM
+        recomputes a failed request from its first token, whatever its groups."""
+        if self._work is None:
+            return KVConnectorTransferResults()
+        done, failed = self._work.take_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._work is not None

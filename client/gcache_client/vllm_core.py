@@ -42,6 +42,7 @@ from gcache_client.types import KVPair, Match, Namespace, PutResult
 log = logging.getLogger("gcache.client.engine_bridge")
 
 _CLIENT_FIELDS = {f.name for f in dataclasses.fields(ClientConfig)}
+LOAD_MODES = ("layerwise", "async")
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,19 @@ class BridgeConfig:
     revision: str = ""
     max_pending_stores: int = 4  # background stores in flight before a store waits
     max_namespaces: int = 64  # cache_salt namespaces kept registered per process
+    # "layerwise": a hit loads during the request's first forward, layer by layer
+    # (the forward waits per layer); "async": a hit loads before the request is
+    # scheduled (vLLM's WAITING_FOR_REMOTE_KVS) and a failed load is reported per
+    # request, so vLLM recomputes it with any number of KV cache groups.
+    load_mode: str = "layerwise"
+    max_async_loads: int = 64  # async loads queued per worker before a step waits
     client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
 
     def check(self) -> None:
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
+        if self.max_async_loads < 1:
+            raise ConfigError(f"max_async_loads must be >= 1, got {self.max_async_loads}")
         if self.max_pending_stores < 1:
             raise ConfigError(f"max_pending_stores must be >= 1, got {self.max_pending_stores}")
         if self.max_namespaces < 1:

@@ -103,6 +103,7 @@ class ReqStep:
     cache_salt: str | None = None
     load: tuple[int, int, int, Any, Any] | None = None  # leased match to load
     local: int = 0  # tokens vLLM had in its own prefix cache
+    async_load: bool = False  # load in the background; nothing is computed this step
 
 
 @dataclass

@@ -1,5 +1,11 @@
 """The scheduler side of :class:`gcache_client.vllm.GCacheConnector`: leased
-matches, block ids per KV cache group, and the per-step metadata for the workers."""
+matches, block ids per KV cache group, and the per-step metadata for the workers.
+
+With ``load_mode="async"`` a hit is loaded before the request is scheduled: the
+step's metadata carries the load with the blocks vLLM allocated for it
+(:meth:`_Scheduler.after_alloc`), the workers report it through
+``get_transfer_results``, and a request whose load failed is not matched again
+(vLLM recomputes it from its first token)."""
 
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ class _SchedReq:
     load_pending: bool = False
     blocks: list[list[int]] = field(default_factory=list)
     sent_tokens: bool = False
+    async_pending: bool = False  # an async load to hand the workers next step
+    no_load: bool = False  # its async load failed: recompute, never match again
 
 
 class _Scheduler:
@@ -31,6 +39,8 @@ class _Scheduler:
         self.lmap = lmap
         self.bridge = KVBridge(cfg, model_id, lmap.spec)
         self.reqs: dict[str, _SchedReq] = {}
+        self.async_loads = cfg.load_mode == "async"
+        self.counters = {"async_loads": 0, "async_load_failures": 0}
 
     def matched(self, request: Request, num_computed: int) -> int:
         tokens = list(request.prompt_token_ids or [])
@@ -41,6 +51,8 @@ class _Scheduler:
         if st.match is not None:  # asked again: drop the previous lease
             self.bridge.release(st.match)
             st.match = None
+        if st.no_load:
+            return 0
         if len(tokens) <= self.bridge.block_size or getattr(request, "prompt_embeds", None):
             return 0
         m = self.bridge.match(tokens[: len(tokens) - 1], st.salt)
@@ -50,7 +62,9 @@ class _Scheduler:
         st.match, st.local = m, num_computed
         return int(m.tokens - num_computed)
 
-    def after_alloc(self, request: Request, num_external: int) -> None:
+    def after_alloc(
+        self, request: Request, num_external: int, block_ids: tuple[list[int], ...]
+    ) -> None:
         st = self.reqs.get(request.request_id)
         if st is None or st.match is None:
             return
@@ -59,9 +73,46 @@ class _Scheduler:
             st.match = None
             return
         st.load_pending = True
+        if self.async_loads:  # not scheduled before the load is done: send it now
+            st.blocks = [list(b) for b in block_ids]
+            st.async_pending = True
+
+    def load_failed(self, req_ids: set[str]) -> None:
+        """Async loads the workers reported failed: vLLM recomputes those requests
+        from their first token (and asks for a match again: answer none)."""
+        for req_id in req_ids:
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            self.counters["async_load_failures"] += 1
+            st.no_load = True
+            st.sent_tokens = False  # the worker dropped its staged rows: stage again
+            if st.match is not None:
+                self.bridge.release(st.match)
+                st.match = None
 
     def build(self, so: SchedulerOutput) -> GCacheConnectorMetadata:
         meta = GCacheConnectorMetadata()
+        for req_id, pend in self.reqs.items():
+            if pend.async_pending and pend.match is not None:
+                pend.async_pending = pend.load_pending = False
+                self.counters["async_loads"] += 1
+                store_len = store_tokens(len(pend.tokens), self.bridge.block_size)
+                meta.steps.append(
+                    ReqStep(
+                        req_id,
+                        tuple(pend.blocks),
+                        pend.local,
+                        pend.local,
+                        store_len,
+                        None if pend.sent_tokens else pend.tokens[:store_len],
+                        pend.salt,
+                        match_to_wire(pend.match),
+                        pend.local,
+                        async_load=True,
+                    )
+                )
+                pend.sent_tokens = True
         for new in so.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is None:  # not seen by get_num_new_matched_tokens (resumed, ...)

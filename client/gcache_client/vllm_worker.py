@@ -4,9 +4,11 @@ background store once a prompt's stored part is staged."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,8 +20,10 @@ from gcache import layout as laymod
 from gcache_client import arrays
 from gcache_client.sync import SyncLayerStream
 from gcache_client.types import KVPair, Match, PutResult
+from gcache_client.vllm_async import AsyncLoader, LoadJob
 from gcache_client.vllm_core import BridgeConfig, KVBridge, match_from_wire
 from gcache_client.vllm_meta import MEDIUM, GCacheConnectorMetadata, LayerMap, ReqStep
+from gcache_client.vllm_paged import Seg, from_cache, kv_views, segments, to_cache
 
 log = logging.getLogger("gcache.client.vllm")
 
@@ -44,6 +48,7 @@ class _Load:
     local: int
     next_layer: int = 0
     failed: bool = False
+    segs: dict[tuple[int, int, int], list[Seg]] = field(default_factory=dict)
 
 
 class _Worker:
@@ -64,6 +69,11 @@ class _Worker:
         self.layout = self.bridge.layout
         self.index = {name: i for i, name in enumerate(lmap.names)}
         self.caches: dict[str, torch.Tensor] = {}
+        self.views: dict[str, tuple[Any, Any]] = {}  # layer -> paged K, V views
+        self.group_block = lmap.group_block
+        self.layer_group = [lmap.group_of[n] for n in lmap.names]
+        # (request, group, lo, hi) -> segments of this step's stored rows
+        self.step_segs: dict[tuple[str, int, int, int], list[Seg]] = {}
         self.staging: dict[str, _Staging] = {}
         self.loads: list[_Load] = []
         self.steps: list[ReqStep] = []
@@ -71,24 +81,13 @@ class _Worker:
         self.load_errors: set[int] = set()
         self.events: list[KVCacheEvent] = []
         self.stats_delta: dict[str, int] = {}
+        self._stats_lock = threading.Lock()  # the async loader counts too
+        self.to_start: list[ReqStep] = []  # this step's loads, not started yet
+        self.loader = AsyncLoader(cfg.max_async_loads) if cfg.load_mode == "async" else None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.caches = dict(kv_caches)
-
-    # -- paged cache access: K/V views [blocks, heads, block_size, dim] --
-
-    def _kv_views(self, name: str, kv: torch.Tensor | None = None) -> tuple[Any, Any, int]:
-        t = self.caches[name] if kv is None else kv
-        nb, heads, bsz, two_d = t.shape
-        v = t.view(nb, heads, 2 * bsz, two_d // 2)
-        return v[:, :, :bsz], v[:, :, bsz:], bsz
-
-    def _slots(self, name: str, lo: int, hi: int, block_ids: tuple[list[int], ...]) -> Any:
-        g = self.lmap.group_of[name]
-        b = self.lmap.group_block[g]
-        t = torch.arange(lo, hi)
-        ids = torch.tensor(block_ids[g], dtype=torch.long)
-        return ids[t // b], t % b
+        self.views = {name: kv_views(t) for name, t in self.caches.items()}
 
     def _blocks_of(self, lo: int, hi: int, block_ids: tuple[list[int], ...]) -> set[int]:
         out: set[int] = set()
@@ -106,19 +105,25 @@ class _Worker:
         self.meta = meta
         for req_id in meta.finished:
             self.staging.pop(req_id, None)
-        self.steps = meta.steps
+        # An async load's request computes nothing this step: no staging of rows,
+        # no store (its staging buffer is being filled by the load).
+        self.steps = [st for st in meta.steps if not st.async_load]
         self.loads = []
+        self.to_start = [st for st in meta.steps if st.load is not None]
         for st in meta.steps:
             if st.tokens is not None and st.store_len > 0 and st.req_id not in self.staging:
                 self._new_staging(st)
 
     def start_step(self, meta: GCacheConnectorMetadata) -> None:
         self.prepare(meta)
-        if self.loads:
-            return
-        for st in meta.steps:
-            if st.load is not None:
-                self._start_load(st)
+        todo, self.to_start = self.to_start, []
+        for st in todo:
+            ld = self._start_load(st)
+            if not st.async_load:
+                self.loads.append(ld)
+            else:
+                assert self.loader is not None  # the scheduler has the same load_mode
+                self.loader.submit(LoadJob(st.req_id, functools.partial(self._load_all, ld)))
 
     def _new_staging(self, st: ReqStep) -> None:
         n = st.store_len
@@ -133,7 +138,7 @@ class _Worker:
         swa_from = _first_live_row(st, self.lmap, self.layout) if st.start else 0
         self.staging[st.req_id] = _Staging(toks, st.cache_salt, kv, swa_from=swa_from)
 
-    def _start_load(self, st: ReqStep) -> None:
+    def _start_load(self, st: ReqStep) -> _Load:
         assert st.load is not None
         ns = self.bridge.namespace(st.cache_salt)
         m = match_from_wire(ns, st.load)
@@ -150,9 +155,25 @@ class _Worker:
         t0 = time.perf_counter()
         stream = self.bridge.client.get_layers(m, out)
         self._stat("load_start_us", int((time.perf_counter() - t0) * 1e6))
-        self.loads.append(_Load(st.req_id, m, stream, st.block_ids, st.local))
         self._stat("loads", 1)
         self._stat("load_tokens", m.tokens - st.local)
+        return _Load(st.req_id, m, stream, st.block_ids, st.local)
+
+    def _load_all(self, ld: _Load) -> str:
+        """An async load, on the loader thread: every layer into the paged cache.
+        Returns "" when all landed, else why not (the request is then recomputed)."""
+        t0 = time.perf_counter()
+        try:
+            n = 0
+            for lkv in ld.stream:
+                self._scatter(ld, lkv.layer, lkv.k, lkv.v, lkv.start)
+                n += 1
+            if n != self.layout.num_layers or not ld.stream.ok:
+                return ld.stream.error or f"{n} of {self.layout.num_layers} layers"
+            return ""
+        finally:
+            ld.stream.close()
+            self._stat("load_wait_us", int((time.perf_counter() - t0) * 1e6))
 
     def wait_layer(self, name: str) -> None:
         i = self.index.get(name)
@@ -166,26 +187,27 @@ class _Worker:
                 except StopIteration:
                     self._load_failed(ld, ld.stream.error or "stream ended")
                     break
-                self._scatter(ld, lkv.layer, lkv.k, lkv.v, lkv.start)
+                try:
+                    self._scatter(ld, lkv.layer, lkv.k, lkv.v, lkv.start)
+                except (IndexError, RuntimeError) as exc:  # blocks vLLM did not allocate
+                    self._load_failed(ld, f"copy into the paged cache: {exc}")
+                    break
                 ld.next_layer += 1
         self._stat("load_wait_us", int((time.perf_counter() - t0) * 1e6))
 
     def _scatter(self, ld: _Load, layer: int, k: Any, v: Any, start: int) -> None:
-        name = self.lmap.names[layer]
-        rows = len(k)
+        hi = start + len(k)
         lo = max(start, ld.local)  # vLLM's own prefix cache already holds [0, local)
-        if lo >= start + rows:
+        if lo >= hi:
             return
-        kt = arrays.as_torch(k, self.layout.dtype)[lo - start :]
-        vt = arrays.as_torch(v, self.layout.dtype)[lo - start :]
-        kc, vc, _ = self._kv_views(name)
-        blk, off = self._slots(name, lo, start + rows, ld.block_ids)
-        live = blk != 0  # rows of blocks vLLM dropped (outside its window): not needed
-        if not bool(live.all()):
-            blk, off, kt, vt = blk[live], off[live], kt[live], vt[live]
-        kc[blk, :, off] = kt.to(kc.dtype)
-        vc[blk, :, off] = vt.to(vc.dtype)
-        self._stat("load_bytes", int(kt.nbytes + vt.nbytes))
+        g = self.layer_group[layer]
+        segs = ld.segs.get((g, lo, hi))
+        if segs is None:  # once per group and load; null blocks (dropped) left out
+            segs = ld.segs[(g, lo, hi)] = segments(ld.block_ids[g], self.group_block[g], lo, hi)
+        kc, vc = self.views[self.lmap.names[layer]]
+        kt = arrays.as_torch(k, self.layout.dtype)
+        vt = arrays.as_torch(v, self.layout.dtype)
+        self._stat("load_bytes", to_cache(kc, vc, segs, kt, vt, start))
 
     def _load_failed(self, ld: _Load, why: str) -> None:
         ld.failed = True
@@ -210,11 +232,21 @@ class _Worker:
             lo, hi = stg.filled, min(st.end, len(stg.tokens))
             if hi <= lo:
                 continue
-            kc, vc, _ = self._kv_views(name, kv_layer)
-            blk, off = self._slots(name, lo, hi, st.block_ids)
+            g = self.layer_group[i]
+            key = (st.req_id, g, lo, hi)
+            segs = self.step_segs.get(key)
+            if segs is None:  # once per group and step; null blocks (dropped) left out
+                segs = self.step_segs[key] = segments(st.block_ids[g], self.group_block[g], lo, hi)
+            kc, vc = self.views.get(name) or kv_views(kv_layer)
             k, v = stg.kv[i]
-            arrays.as_torch(k[lo:hi], self.layout.dtype).copy_(kc[blk, :, off])
-            arrays.as_torch(v[lo:hi], self.layout.dtype).copy_(vc[blk, :, off])
+            from_cache(
+                kc,
+                vc,
+                segs,
+                arrays.as_torch(k, self.layout.dtype),
+                arrays.as_torch(v, self.layout.dtype),
+                0,
+            )
 
     def end_step(self) -> None:
         if self.loads:  # layers nobody waited for (a step without attention metadata)
@@ -222,6 +254,7 @@ class _Worker:
         for ld in self.loads:
             ld.stream.close()
         self.loads = []
+        self.step_segs.clear()
         for st in self.steps:
             stg = self.staging.get(st.req_id)
             if stg is None:
@@ -275,6 +308,19 @@ class _Worker:
 
     # -- reports --
 
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """Async loads done since the last call: (finished, failed); a failed one
+        is in both (vLLM's contract), its staged rows dropped."""
+        done = self.loader.take() if self.loader is not None else {}
+        failed = {r for r, why in done.items() if why}
+        for req_id in failed:
+            self.staging.pop(req_id, None)
+            self._stat("load_errors", 1)
+            log.warning(
+                "GCache async load of %s failed (%s); vLLM recomputes it", req_id, done[req_id]
+            )
+        return set(done), failed
+
     def take_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
         return out
@@ -284,13 +330,17 @@ class _Worker:
         return out
 
     def _stat(self, key: str, n: int) -> None:
-        self.stats_delta[key] = self.stats_delta.get(key, 0) + n
+        with self._stats_lock:
+            self.stats_delta[key] = self.stats_delta.get(key, 0) + n
 
     def take_stats(self) -> dict[str, int]:
-        out, self.stats_delta = self.stats_delta, {}
+        with self._stats_lock:
+            out, self.stats_delta = self.stats_delta, {}
         return out
 
     def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
         self.bridge.close()
 
 
