@@ -55,7 +55,7 @@ class Options:
     # Tiers and the load-or-recompute rule (see gcache.replay.tiers).
     dram_gbps: float = 25.0  # read bandwidth from a server's DRAM into the engine
     nvme_gbps: float = 5.0  # read bandwidth from a server's NVMe tier into the engine
-    compute_tflops: float = ClientConfig.compute_tflops  # the engine's prefill rate
+    compute_tflops: float = MetaConfig.compute_tflops  # the fleet's prefill rate (GPU engines)
     load_or_recompute: bool = ClientConfig.load_or_recompute
     promotion: str = MetaConfig.promotion  # "off" or "hits:N"
 
