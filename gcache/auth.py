@@ -310,6 +310,21 @@ class _TokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[m
         return await continuation(details, request)
 
 
+class _StreamTokenInterceptor(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    """The same for client-streaming calls (``ReportObjects``)."""
+
+    def __init__(self, token: str) -> None:
+        self.entry = (TOKEN_METADATA, _BEARER + token)
+
+    async def intercept_stream_unary(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        metadata = list(client_call_details.metadata or ())
+        metadata.append(self.entry)
+        details = client_call_details._replace(metadata=metadata)
+        return await continuation(details, request_iterator)
+
+
 def channel_options() -> list[tuple[str, int]]:
     return list(RECONNECT_OPTIONS)
 
@@ -317,7 +332,7 @@ def channel_options() -> list[tuple[str, int]]:
 def aio_channel(target: str, *, token: str | None = None, tls_ca: str = "") -> grpc.aio.Channel:
     """An asyncio gRPC channel to the meta: TLS when ``tls_ca`` names the CA
     certificate, the token (if any) on every call, fast reconnects."""
-    interceptors = [_TokenInterceptor(token)] if token else None
+    interceptors = [_TokenInterceptor(token), _StreamTokenInterceptor(token)] if token else None
     options = channel_options()
     if tls_ca:
         creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca, "TLS CA"))
