@@ -229,11 +229,13 @@ class TierState:
             return
         self.reports += 1
         log.info(
-            "reported %d objects to the meta (epoch %d): %d adopted, %d dropped",
+            "reported %d objects to the meta (epoch %d): %d adopted, %d dropped, "
+            "%d waiting for their parent",
             len(recs),
             epoch,
             reply.adopted,
             reply.dropped,
+            reply.parked,
         )
 
     # ---- heartbeats ----------------------------------------------------------------

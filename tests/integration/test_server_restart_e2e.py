@@ -55,12 +55,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _reported(log: Path) -> list[tuple[int, int, int]]:
-    """(objects reported, adopted, dropped) per registration, from a server's log."""
+def _reported(log: Path) -> list[tuple[int, int, int, int]]:
+    """(objects reported, adopted, dropped, parked) per registration, from a
+    server's log."""
     pat = re.compile(
-        r"reported (\d+) objects to the meta \(epoch \d+\): (\d+) adopted, (\d+) dropped"
+        r"reported (\d+) objects to the meta \(epoch \d+\): (\d+) adopted, (\d+) dropped, "
+        r"(\d+) waiting for their parent"
     )
-    return [(int(a), int(b), int(c)) for a, b, c in pat.findall(log.read_text())]
+    return [(int(a), int(b), int(c), int(d)) for a, b, c, d in pat.findall(log.read_text())]
 
 
 def _wait(cond: object, timeout: float, what: str) -> None:
@@ -155,18 +157,21 @@ def test_server_kill9_mid_burst_restart_serves_its_objects_byte_exact(
         # Restart server0: same id and port, its segment and NVMe dir re-adopted.
         d.start_server(0)
         _wait(lambda: len(_reported(tmp_path / "server0.log")) >= 2, 15, "server0's report")
-        reported, adopted, dropped = _reported(tmp_path / "server0.log")[-1]
+        reported, adopted, dropped, parked = _reported(tmp_path / "server0.log")[-1]
         counters = d.stats().counters
         # Dropped only as a duplicate: an object demoted just before the kill is
-        # both in the DRAM manifest (its free had not arrived) and on NVMe.
-        assert reported > 0 and adopted + dropped == reported, (reported, adopted, dropped)
-        assert dropped == counters["report_duplicates"] <= reported // 10, dict(counters)
+        # both in the DRAM manifest (its free had not arrived) and on NVMe. Parked:
+        # waiting for a parent reported later in the stream (adopted then).
+        total = adopted + dropped + parked
+        assert reported > 0 and total == reported, (reported, adopted, dropped, parked)
+        assert dropped == counters["report_duplicates"], dict(counters)
         assert counters["report_invalid"] == 0, dict(counters)
         d.wait_servers(2, 10)
         s0 = next(s for s in d.stats().servers if s.server_id == "server0")
         assert s0.alive and s0.address.endswith(f":{ports[0]}")
         if not tiered:  # (tiered: demotions and NVMe evictions go on meanwhile)
-            assert s0.objects == adopted  # the index holds exactly what it reported
+            # the index holds exactly what it reported (parked ones once their parent came)
+            assert adopted <= s0.objects <= adopted + parked, (s0.objects, adopted, parked)
 
         # Every prompt: a hit is byte-exact; misses are allowed only for what was
         # evicted or in flight around the kill.
