@@ -28,9 +28,7 @@ from gcache.transport.limits import (
     Conn,
     ConnectionLimiter,
     RateLimitedLog,
-    idle_sweeper,
-    peer_host,
-    refuse,
+    accept_admitted,
 )
 from gcache.transport.stream import BodyCheck, FrameStream
 
@@ -191,33 +189,16 @@ class HotPathServer:
                 self.limiter.release(conn)
 
     async def accept_loop(self) -> None:
-        """Accept, admit through the connection limits (an excess connection gets
-        one ERROR frame and is closed), serve; close idle connections meanwhile."""
-        loop = asyncio.get_running_loop()
-        sweeper = asyncio.create_task(idle_sweeper(self.limiter))
-        try:
-            while True:
-                try:
-                    sock, addr = await loop.sock_accept(self.listener)
-                except OSError as exc:
-                    if self.listener.fileno() < 0:
-                        return
-                    self.refused_log.log(time.monotonic(), "hot path: accept failed: %s", exc)
-                    await asyncio.sleep(0.05)
-                    continue
-                now = time.monotonic()
-                conn = self.limiter.admit(peer_host(addr), sock.close, now)
-                if isinstance(conn, str):
-                    self.refused_log.log(
-                        now, "hot path: refused a connection from %s: %s", addr, conn
-                    )
-                    refuse(sock, conn)
-                    continue
-                task = asyncio.create_task(self.serve_connection(sock, conn))
-                self.connections.add(task)
-                task.add_done_callback(self.connections.discard)
-        finally:
-            sweeper.cancel()
+        """Accept, admit through the connection limits, serve (``accept_admitted``)."""
+        await accept_admitted(
+            self.listener,
+            self.limiter,
+            self.refused_log,
+            "hot path",
+            self.serve_connection,
+            self.connections,
+            lambda: self.listener.fileno() < 0,
+        )
 
     async def close(self) -> None:
         self.listener.close()

@@ -42,9 +42,7 @@ from gcache.transport.limits import (
     Conn,
     ConnectionLimiter,
     RateLimitedLog,
-    idle_sweeper,
-    peer_host,
-    refuse,
+    accept_admitted,
 )
 from gcache.transport.stream import FrameStream
 
@@ -240,33 +238,22 @@ class StorageServer:
         return True
 
     async def accept_loop(self) -> None:
-        """Accept, admit through the connection limits (an excess connection gets
-        one ERROR frame and is closed), serve; close idle connections meanwhile."""
-        loop = asyncio.get_running_loop()
+        """Accept, admit through the connection limits, serve (``accept_admitted``)."""
         assert self.listener is not None
-        sweeper = asyncio.create_task(idle_sweeper(self.limiter))
-        try:
-            while True:
-                try:
-                    sock, addr = await loop.sock_accept(self.listener)
-                except OSError as exc:
-                    if self._stopping.is_set():
-                        return
-                    self.refused_log.log(time.monotonic(), "accept failed: %s", exc)
-                    await asyncio.sleep(0.05)
-                    continue
-                now = time.monotonic()
-                conn = self.limiter.admit(peer_host(addr), sock.close, now)
-                if isinstance(conn, str):
-                    self.refused_log.log(now, "refused a connection from %s: %s", addr, conn)
-                    refuse(sock, conn)
-                    continue
-                self.total_connections += 1
-                task = asyncio.create_task(self.serve_connection(sock, conn))
-                self.connections.add(task)
-                task.add_done_callback(self.connections.discard)
-        finally:
-            sweeper.cancel()
+
+        async def serve(sock: socket.socket, conn: Conn) -> None:
+            self.total_connections += 1
+            await self.serve_connection(sock, conn)
+
+        await accept_admitted(
+            self.listener,
+            self.limiter,
+            self.refused_log,
+            "",
+            serve,
+            self.connections,
+            self._stopping.is_set,
+        )
 
     # ---- control plane -----------------------------------------------------------
 

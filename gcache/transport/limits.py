@@ -195,3 +195,43 @@ async def idle_sweeper(
         await asyncio.sleep(period)
         for conn in limiter.expired(clock()):
             conn.close()
+
+
+async def accept_admitted(
+    listener: socket.socket,
+    limiter: ConnectionLimiter,
+    refused_log: RateLimitedLog,
+    what: str,
+    serve: Callable[[socket.socket, Conn], Any],
+    tasks: set[asyncio.Task[None]],
+    stopping: Callable[[], bool],
+) -> None:
+    """The accept loop every framed daemon runs: accept, admit through ``limiter``
+    (an excess connection gets one ``ERROR(E_BUSY)`` frame and is closed, logged at
+    ``refused_log``'s rate), serve each admitted one as a task kept in ``tasks``,
+    and close idle connections meanwhile. Returns when ``stopping()`` says an
+    accept failed because the listener was closed."""
+    loop = asyncio.get_running_loop()
+    prefix = f"{what}: " if what else ""
+    sweeper = asyncio.create_task(idle_sweeper(limiter))
+    try:
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(listener)
+            except OSError as exc:
+                if stopping():
+                    return
+                refused_log.log(time.monotonic(), "%saccept failed: %s", prefix, exc)
+                await asyncio.sleep(0.05)
+                continue
+            now = time.monotonic()
+            conn = limiter.admit(peer_host(addr), sock.close, now)
+            if isinstance(conn, str):
+                refused_log.log(now, "%srefused a connection from %s: %s", prefix, addr, conn)
+                refuse(sock, conn)
+                continue
+            task = asyncio.create_task(serve(sock, conn))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    finally:
+        sweeper.cancel()
