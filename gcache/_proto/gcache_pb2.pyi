@@ -195,20 +195,22 @@ class Range(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme", "promote")
+    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme", "promote", "more")
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     ADOPT_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_FIELD_NUMBER: _ClassVar[int]
     DROP_NVME_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     reregister: bool
     free: _containers.RepeatedCompositeFieldContainer[Range]
     adopt: _containers.RepeatedCompositeFieldContainer[StoredObject]
     demote: _containers.RepeatedCompositeFieldContainer[DemoteCommand]
     drop_nvme: _containers.RepeatedCompositeFieldContainer[Range]
     promote: _containers.RepeatedCompositeFieldContainer[PromoteCommand]
-    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype")

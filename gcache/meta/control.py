@@ -312,6 +312,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 pb.PromoteCommand(object=stored(obj, ns), dram_offset=off)
                 for obj, ns, off in out.promote
             ],
+            more=out.more,
         )
 
     async def RegisterNamespace(self, request: Any, context: Any) -> Any:

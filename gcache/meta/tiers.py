@@ -96,6 +96,8 @@ class HeartbeatOut:
     failed: list[str] = field(default_factory=list)  # errors of failed demotions
     # (NVMe object, namespace, DRAM offset): copy it into DRAM there
     promote: list[tuple[ObjectRecord, NamespaceRecord, int]] = field(default_factory=list)
+    # records still queued past this reply's bounds: the server heartbeats again now
+    more: bool = False
 
 
 T = TypeVar("T")
@@ -458,6 +460,9 @@ class Tiers(Leases):
         out.demote = _take(srv.demote_out, MAX_DEMOTE_PER_REPLY)
         out.drop_nvme = _take(srv.drop_out, MAX_DROP_PER_REPLY)
         out.promote = _take(srv.promote_out, MAX_PROMOTE_PER_REPLY)
+        # Cut by a per-reply bound (checked before the watermark queues new work):
+        # the server asks again at once, so an outbox drains at round-trip speed.
+        out.more = bool(srv.adopt_out or srv.demote_out or srv.drop_out or srv.promote_out)
         self._check_watermark(srv)
         return out
 

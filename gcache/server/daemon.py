@@ -333,12 +333,19 @@ class StorageServer:
             ready.set()
             interval = self.cfg.heartbeat_interval_s
             failing = False
+            more = False  # the last reply was cut by its bounds: ask again at once
             while not self._stopping.is_set():
-                try:
-                    await asyncio.wait_for(self._stopping.wait(), interval)
-                    return
-                except TimeoutError:
-                    pass
+                if more:
+                    await asyncio.sleep(0)  # yield to the data path, then heartbeat
+                    if self._stopping.is_set():
+                        return
+                else:
+                    try:
+                        await asyncio.wait_for(self._stopping.wait(), interval)
+                        return
+                    except TimeoutError:
+                        pass
+                more = False
                 beat = pb.HeartbeatRequest(
                     server_id=self.server_id,
                     incarnation=self.incarnation,
@@ -367,6 +374,8 @@ class StorageServer:
                 if reply.reregister:
                     log.warning("meta does not know this server; registering again")
                     await self.register(stub)
+                else:
+                    more = reply.more
 
     # ---- lifecycle ---------------------------------------------------------------
 

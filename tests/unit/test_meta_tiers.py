@@ -450,3 +450,24 @@ def test_single_server_with_a_full_outbox_answers_no_space_until_drained() -> No
     assert not blocked.placements and blocked.no_space
     heartbeat(core, "s0", 2.0)  # drains the outbox
     assert put(core, fp, toks(1), 3.0).placements
+
+
+def test_reply_says_more_while_the_outbox_holds_more_than_one_reply() -> None:
+    """The outbox drained one bounded reply per heartbeat interval (~4096 commits/s a
+    server; placement paused for tens of seconds after a burst). A reply cut by its
+    bound now says ``more`` so the server heartbeats again at once."""
+    from gcache.meta.tiers import MAX_ADOPT_PER_REPLY
+
+    core, fp = make(servers=1, capacity=64 * MB, nvme=0)
+    n = 0
+    p = 0
+    while n <= MAX_ADOPT_PER_REPLY + 10:
+        n += len(put(core, fp, toks(p), 0.0).placements)
+        p += 1
+    srv = core.servers["s0"]
+    assert len(srv.adopt_out) == n
+    first = heartbeat(core, "s0", 1.0)
+    assert len(first.adopt) == MAX_ADOPT_PER_REPLY and first.more
+    second = heartbeat(core, "s0", 1.001)
+    assert len(second.adopt) == n - MAX_ADOPT_PER_REPLY and not second.more
+    assert not heartbeat(core, "s0", 2.0).more
