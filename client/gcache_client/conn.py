@@ -126,6 +126,8 @@ class PipelinedConn:
         """Send ``msg`` (+ payload views) and await the reply body. A ``READ`` reply's
         payload lands in ``dest`` views, in order."""
         if self._closed is not None:
+            if isinstance(self._closed, Busy):  # the daemon refused this connection
+                raise Busy(self._closed.code, self._closed.message)
             raise ConnectionLost(f"connection to {self.name} is down: {self._closed}")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         p: _Pending | None = None
