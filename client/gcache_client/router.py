@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections import Counter
 from collections.abc import Coroutine, Sequence
 from typing import Any, Final, TypeVar
@@ -36,6 +35,7 @@ from gcache import keys as keymod
 from gcache import wire
 from gcache.errors import ClosedError, ConfigError, GCacheError
 from gcache_client.conn import PipelinedConn
+from gcache_client.loopthread import LoopThread
 from gcache_client.types import Namespace
 
 log = logging.getLogger("gcache.client.router")
@@ -226,18 +226,10 @@ class RouterClient:
 
     def __init__(self, addr: str, **kwargs: Any) -> None:
         self.aio = AsyncRouterClient(addr, **kwargs)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="gcache-router-client", daemon=True
-        )
-        self._thread.start()
-        self._closed = False
+        self._lt = LoopThread("router client")
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise ClosedError("router client closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._lt.run(coro)
 
     def __enter__(self) -> RouterClient:
         return self
@@ -246,17 +238,7 @@ class RouterClient:
         self.close()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self.aio.close(), self._loop).result(
-                self.aio.timeout_s + 5
-            )
-        finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
+        self._lt.close(self.aio.close, self.aio.timeout_s + 5)
 
     def route(
         self,

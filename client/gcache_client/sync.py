@@ -8,8 +8,6 @@ event loop of their own.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -17,30 +15,17 @@ import numpy as np
 
 from gcache import layout as laymod
 from gcache.config import ClientConfig
-from gcache.errors import ClosedError
 from gcache_client.aio import AsyncGCacheClient, LayerStream
+from gcache_client.loopthread import LoopThread
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 
 T = TypeVar("T")
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 class GCacheClient:
     def __init__(self, config: ClientConfig | None = None, **kwargs: Any) -> None:
-        self._loop = _new_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="gcache-client", daemon=True
-        )
-        self._thread.start()
+        self._lt = LoopThread("gcache-client")
         self.aio = AsyncGCacheClient(config, **kwargs)
-        self._closed = False
         try:
             self._run(self.aio.connect())
         except BaseException:
@@ -48,10 +33,7 @@ class GCacheClient:
             raise
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise ClosedError("client closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._lt.run(coro)
 
     def __enter__(self) -> GCacheClient:
         return self
@@ -60,15 +42,7 @@ class GCacheClient:
         self.close()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self.aio.close(), self._loop).result(5)
-        finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
+        self._lt.close(self.aio.close, 5)
 
     @property
     def config(self) -> ClientConfig:

@@ -260,16 +260,7 @@ class Tiers(Leases):
                     self.policy.unpinned(obj, ns)
             return None if done.ok else (done.error or "unknown error")
         # Switch the index to the NVMe copy, then let the DRAM range go.
-        entry = obj.entry
-        self._unlink(ns, entry, obj.group)
-        new = ObjectRecord(
-            entry, obj.group, srv, done.nvme_offset, length, obj.sums, obj.last_access,
-            obj.owner, tier=1,
-        )  # fmt: skip
-        new.score = obj.score
-        self._link_object(ns, entry, new)
-        self._count_in(ns, new)
-        self.nvme_policy.admit(new, ns)
+        self._move_tier(ns, obj, done.nvme_offset, 1)
         if obj.pins:
             srv.deferred_bytes += length  # freed when its last read lease ends
         else:
@@ -364,16 +355,7 @@ class Tiers(Leases):
                 elif obj.state == LIVE:
                     self.nvme_policy.unpinned(obj, ns)
             return
-        entry = obj.entry
-        self._unlink(ns, entry, obj.group)
-        new = ObjectRecord(
-            entry, obj.group, srv, done.dram_offset, length, obj.sums, obj.last_access,
-            obj.owner, tier=0,
-        )  # fmt: skip
-        new.score = obj.score
-        self._link_object(ns, entry, new)
-        self._count_in(ns, new)
-        self.policy.admit(new, ns)
+        self._move_tier(ns, obj, done.dram_offset, 0)
         if obj.pins:
             obj.state = EVICTED  # its NVMe copy is deleted when the last lease ends
         else:
@@ -407,6 +389,20 @@ class Tiers(Leases):
                 self._prune(ns, entry)
         self.counters["nvme_lost"] += n
         return n
+
+    def _move_tier(self, ns: NamespaceRecord, obj: ObjectRecord, offset: int, tier: int) -> None:
+        """Switch the index from ``obj`` to its copy at ``offset`` in ``tier`` on the
+        same server (a finished demotion or promotion); the caller frees ``obj``."""
+        entry = obj.entry
+        self._unlink(ns, entry, obj.group)
+        new = ObjectRecord(
+            entry, obj.group, obj.server, offset, obj.length, obj.sums, obj.last_access,
+            obj.owner, tier=tier,
+        )  # fmt: skip
+        new.score = obj.score
+        self._link_object(ns, entry, new)
+        self._count_in(ns, new)
+        (self.nvme_policy if tier else self.policy).admit(new, ns)
 
     def _count_in(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
         """Count a newly linked object in the store-wide totals."""
