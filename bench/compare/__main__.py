@@ -34,6 +34,10 @@ from bench.compare.peers import PEERS
 from bench.compare.report import chart, print_ratios, print_table, ratios
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
+# Issue 12's second TCP target size: GCache over TCP (single-object operations in
+# flight) against iperf3 only, fewer iterations (the bytes, not the count, matter).
+DEFAULT_TCP_SIZES = "16MiB"
+TCP_EXTRA_BYTES = 4 << 30  # per op and size: 256 operations of 16 MiB
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="value sizes (comma-separated)")
+    p.add_argument(
+        "--tcp-sizes",
+        default=DEFAULT_TCP_SIZES,
+        help="extra sizes for GCache over TCP (operations in flight) against iperf3 only; "
+        "'' for none",
+    )
     p.add_argument("--iters", type=int, default=1000, help="operations per size and op")
     p.add_argument("--concurrency", type=int, default=4, help="operations in flight")
     p.add_argument("--seconds-cap", type=float, default=20.0, help="time cap per peer")
@@ -78,14 +88,40 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def run_gcache(sizes: list[int], iters: int, qd: int) -> tuple[list[dict[str, Any]], str]:
+def _runs(
+    sizes: list[int], tcp_sizes: list[int], iters: int, qd: int
+) -> list[tuple[str, str, int, int, int, int]]:
+    """(transport, op, size, qd, batch, iterations) of every gcache-bench run.
+
+    Two shapes of the same concurrency: qd operations of one object in flight (as
+    redis-py's client processes), and one operation of qd objects at a time (as
+    Mooncake's batch_put_from / batch_get_into of qd keys). The extra TCP sizes run
+    in the first shape only (their peer is iperf3), capped at TCP_EXTRA_BYTES."""
+    out = []
+    for transport in ("tcp", "shm"):
+        for op in ("write", "read"):
+            for size in sizes:
+                for q, batch in ((qd, 1), (1, qd)):
+                    out.append((transport, op, size, q, batch, max(1, iters // batch)))
+            if transport == "tcp":
+                for size in tcp_sizes:
+                    if size not in sizes:
+                        n = max(qd, min(iters, TCP_EXTRA_BYTES // size))
+                        out.append((transport, op, size, qd, 1, n))
+    return out
+
+
+def run_gcache(
+    sizes: list[int], iters: int, qd: int, tcp_sizes: list[int] | None = None
+) -> tuple[list[dict[str, Any]], str]:
     """gcache-bench write/read over tcp and shm against one local deployment."""
     from gcache.cli.deploy import LocalDeployment
 
     rows: list[dict[str, Any]] = []
+    tcp_sizes = tcp_sizes or []
     with tempfile.TemporaryDirectory(prefix="gcache-compare-") as tmp:
         # Writes outrun this; the meta evicts at its watermarks as in production.
-        capacity = max(2 << 30, 64 * max(sizes))
+        capacity = max(2 << 30, 64 * max([*sizes, *tcp_sizes]))
         dep = LocalDeployment(
             tmp,
             servers=1,
@@ -95,29 +131,23 @@ def run_gcache(sizes: list[int], iters: int, qd: int) -> tuple[list[dict[str, An
         )
         dep.start()
         try:
-            # Two shapes of the same concurrency: qd operations of one object in flight
-            # (as redis-py's client processes), and one operation of qd objects at a
-            # time (as Mooncake's batch_put_from / batch_get_into of qd keys).
-            for transport in ("tcp", "shm"):
-                for op in ("write", "read"):
-                    for size in sizes:
-                        for q, batch in ((qd, 1), (1, qd)):
-                            out = os.path.join(tmp, f"{transport}-{op}-{size}-{batch}.json")
-                            cmd = [
-                                sys.executable, "-m", "gcache.benchtool.main", op,
-                                "-s", str(size), "-n", str(max(1, iters // batch)),
-                                "--qd", str(q), "--batch", str(batch),
-                                "--transport", transport, "--meta", dep.meta_addr,
-                                "--meta-grpc", dep.meta_grpc, "--json", out,
-                            ]  # fmt: skip
-                            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-                            if r.returncode != 0:
-                                return rows, f"gcache-bench {op} {transport} {size}: " + (
-                                    r.stderr.strip().splitlines() or ["?"]
-                                )[-1]
-                            with open(out) as fh:
-                                for g in json.load(fh):
-                                    rows.append(_gcache_row(g, q, batch, " ".join(cmd[3:14])))
+            for transport, op, size, q, batch, n in _runs(sizes, tcp_sizes, iters, qd):
+                out = os.path.join(tmp, f"{transport}-{op}-{size}-{batch}.json")
+                cmd = [
+                    sys.executable, "-m", "gcache.benchtool.main", op,
+                    "-s", str(size), "-n", str(n),
+                    "--qd", str(q), "--batch", str(batch),
+                    "--transport", transport, "--meta", dep.meta_addr,
+                    "--meta-grpc", dep.meta_grpc, "--json", out,
+                ]  # fmt: skip
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if r.returncode != 0:
+                    return rows, f"gcache-bench {op} {transport} {size}: " + (
+                        r.stderr.strip().splitlines() or ["?"]
+                    )[-1]
+                with open(out) as fh:
+                    for g in json.load(fh):
+                        rows.append(_gcache_row(g, q, batch, " ".join(cmd[3:14])))
         finally:
             dep.stop()
     return rows, ""
@@ -148,6 +178,7 @@ def _gcache_row(g: dict[str, Any], qd: int, batch: int, cmd: str) -> dict[str, A
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sizes = _sizes(args.sizes)
+    tcp_sizes = _sizes(args.tcp_sizes) if args.tcp_sizes.strip() else []
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
@@ -173,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     if "gcache" not in skip:
         print("# gcache: local meta + server, gcache-bench over tcp and shm ...", flush=True)
         t0 = time.monotonic()
-        got, err = run_gcache(sizes, args.iters, args.concurrency)
+        got, err = run_gcache(sizes, args.iters, args.concurrency, tcp_sizes)
         rows += got
         if err:
             skipped["gcache"] = err
@@ -195,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# nvme: {len(got)} rows in {time.monotonic() - t0:.1f} s", flush=True)
     print()
     print_table(rows)
-    rat = ratios(rows, sorted({*sizes, *nvme_sizes}))
+    rat = ratios(rows, sorted({*sizes, *tcp_sizes, *nvme_sizes}))
     print()
     print_ratios(rat)
     for name, why in skipped.items():
@@ -203,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     doc = {
         "command": " ".join(["python -m bench.compare", *(argv or sys.argv[1:])]),
         "sizes": sizes,
+        "tcp_sizes": tcp_sizes,
         "iters": args.iters,
         "concurrency": args.concurrency,
         "cpus": os.cpu_count(),
