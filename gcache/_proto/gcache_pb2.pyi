@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StoredObject(_message.Message):
-    __slots__ = ("namespace", "key", "parent", "pos", "group", "tier", "offset", "length", "sums", "seq")
+    __slots__ = ("namespace", "key", "parent", "pos", "group", "tier", "offset", "length", "sums", "seq", "layer_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class StoredObject(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SUMS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     key: bytes
     parent: bytes
@@ -28,21 +29,56 @@ class StoredObject(_message.Message):
     length: int
     sums: bytes
     seq: int
-    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., pos: _Optional[int] = ..., group: _Optional[int] = ..., tier: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., sums: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
+    layer_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., pos: _Optional[int] = ..., group: _Optional[int] = ..., tier: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., sums: _Optional[bytes] = ..., seq: _Optional[int] = ..., layer_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoredColumns(_message.Message):
+    __slots__ = ("namespaces", "ns_index", "keys", "parents", "pos", "group", "tier", "offset", "length", "seq", "nsums", "sums", "nlayer_bytes", "layer_bytes")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    POS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NSUMS_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    NLAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedScalarFieldContainer[bytes]
+    ns_index: bytes
+    keys: bytes
+    parents: bytes
+    pos: bytes
+    group: bytes
+    tier: bytes
+    offset: bytes
+    length: bytes
+    seq: bytes
+    nsums: bytes
+    sums: bytes
+    nlayer_bytes: bytes
+    layer_bytes: bytes
+    def __init__(self, namespaces: _Optional[_Iterable[bytes]] = ..., ns_index: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., pos: _Optional[bytes] = ..., group: _Optional[bytes] = ..., tier: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ..., seq: _Optional[bytes] = ..., nsums: _Optional[bytes] = ..., sums: _Optional[bytes] = ..., nlayer_bytes: _Optional[bytes] = ..., layer_bytes: _Optional[bytes] = ...) -> None: ...
 
 class ReportObjectsRequest(_message.Message):
-    __slots__ = ("server_id", "incarnation", "epoch", "objects", "last")
+    __slots__ = ("server_id", "incarnation", "epoch", "objects", "last", "columns")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     incarnation: int
     epoch: int
     objects: _containers.RepeatedCompositeFieldContainer[StoredObject]
     last: bool
-    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., last: _Optional[bool] = ...) -> None: ...
+    columns: StoredColumns
+    def __init__(self, server_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., objects: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., last: _Optional[bool] = ..., columns: _Optional[_Union[StoredColumns, _Mapping]] = ...) -> None: ...
 
 class ReportObjectsReply(_message.Message):
     __slots__ = ("adopted", "dropped", "parked")
@@ -127,14 +163,16 @@ class RegisterServerRequest(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., hostname: _Optional[str] = ..., shm_path: _Optional[str] = ..., capacity: _Optional[int] = ..., secret: _Optional[bytes] = ..., incarnation: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., dram_read_gbps: _Optional[float] = ..., nvme_read_gbps: _Optional[float] = ..., nvme_write_gbps: _Optional[float] = ..., objects: _Optional[int] = ...) -> None: ...
 
 class RegisterServerReply(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "epoch")
+    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "epoch", "report_columns")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPORT_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     epoch: int
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    report_columns: bool
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., report_columns: _Optional[bool] = ...) -> None: ...
 
 class ServerCounters(_message.Message):
     __slots__ = ("reads", "writes", "read_bytes", "write_bytes", "errors", "connections", "freed_bytes", "connections_accepted", "connections_refused", "connections_idle_closed", "connections_send_timeouts", "protocol_errors", "bad_frames_suppressed")
