@@ -247,6 +247,17 @@ class MetaConfig:
         "time constant of the recent write load placement balances against free space",
         default=10.0,
     )
+    # -- issue 13: removal feed for KV events (gcache/meta/events.py) --
+    event_ring: int = _doc(
+        "removals kept per watched namespace for WatchRemovals subscribers; one that "
+        "falls further behind is told it missed some (a gap)",
+        default=65536,
+    )
+    max_event_subscribers: int = _doc(
+        "WatchRemovals subscribers at once (all namespaces); one more is refused",
+        default=256,
+    )
+
 
     @property
     def max_body_bytes(self) -> int:
@@ -279,7 +290,13 @@ class MetaConfig:
         for name in ("compute_tflops", "write_balance_s", "parked_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"meta.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_demotions_in_flight", "adopt_outbox", "max_parked_objects"):
+        for name in (
+            "max_demotions_in_flight",
+            "adopt_outbox",
+            "max_parked_objects",
+            "event_ring",
+            "max_event_subscribers",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"meta.{name} must be >= 1, got {getattr(self, name)}")
         if not self.low_watermark < self.high_watermark:

@@ -336,3 +336,31 @@ class EvictReply(_message.Message):
     evicted: int
     refused: int
     def __init__(self, evicted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+
+class WatchRemovalsRequest(_message.Message):
+    __slots__ = ("namespace", "max_batch", "keepalive_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    max_batch: int
+    keepalive_s: float
+    def __init__(self, namespace: _Optional[bytes] = ..., max_batch: _Optional[int] = ..., keepalive_s: _Optional[float] = ...) -> None: ...
+
+class Removed(_message.Message):
+    __slots__ = ("key", "group")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    group: int
+    def __init__(self, key: _Optional[bytes] = ..., group: _Optional[int] = ...) -> None: ...
+
+class RemovalBatch(_message.Message):
+    __slots__ = ("removed", "gap", "cursor")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedCompositeFieldContainer[Removed]
+    gap: bool
+    cursor: int
+    def __init__(self, removed: _Optional[_Iterable[_Union[Removed, _Mapping]]] = ..., gap: _Optional[bool] = ..., cursor: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class ControlStub:
                 request_serializer=gcache__pb2.ReportObjectsRequest.SerializeToString,
                 response_deserializer=gcache__pb2.ReportObjectsReply.FromString,
                 _registered_method=True)
+        self.WatchRemovals = channel.unary_stream(
+                '/gcache.v1.Control/WatchRemovals',
+                request_serializer=gcache__pb2.WatchRemovalsRequest.SerializeToString,
+                response_deserializer=gcache__pb2.RemovalBatch.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -113,6 +118,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchRemovals(self, request, context):
+        """Blocks of a namespace that left GCache (evicted, dropped, lost with their
+        server; not tier moves), streamed while the call lasts (issue 13). Same access
+        rule as RegisterNamespace (tenant token for its cache_salt).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +159,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ReportObjects,
                     request_deserializer=gcache__pb2.ReportObjectsRequest.FromString,
                     response_serializer=gcache__pb2.ReportObjectsReply.SerializeToString,
+            ),
+            'WatchRemovals': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRemovals,
+                    request_deserializer=gcache__pb2.WatchRemovalsRequest.FromString,
+                    response_serializer=gcache__pb2.RemovalBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +328,33 @@ class Control:
             '/gcache.v1.Control/ReportObjects',
             gcache__pb2.ReportObjectsRequest.SerializeToString,
             gcache__pb2.ReportObjectsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRemovals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gcache.v1.Control/WatchRemovals',
+            gcache__pb2.WatchRemovalsRequest.SerializeToString,
+            gcache__pb2.RemovalBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +21,7 @@ from gcache.auth import Authenticator, bearer
 from gcache.errors import LayoutError, Refusal
 from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
+from gcache.meta.events import FeedFull
 from gcache.meta.rebuild import Parked
 from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.tiers import Demotion, Promotion
@@ -156,6 +158,23 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         self.refused_duplicate_id = 0
         # While reports are adopted (see GcPause).
         self.gc_pause = GcPause(lambda: core.counters["objects_adopted"])
+        # WatchRemovals subscribers wait on this; a removal (recorded by the core,
+        # synchronously, on the loop thread) sets it once per loop pass.
+        self._removal_wake: asyncio.Event | None = None
+        self._wake_due = False
+        core.removals.on_record = self._removal_recorded
+
+    def _removal_recorded(self) -> None:
+        if self._wake_due or self._removal_wake is None:
+            return
+        self._wake_due = True
+        asyncio.get_running_loop().call_soon(self._wake_removal_watchers)
+
+    def _wake_removal_watchers(self) -> None:
+        self._wake_due = False
+        ev, self._removal_wake = self._removal_wake, asyncio.Event()
+        if ev is not None:
+            ev.set()
 
     def stats(self) -> dict[str, int]:
         """The control service's counters and the hot path's (``hotpath_*``)."""
@@ -361,6 +380,51 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         except Refusal as r:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.message)
         return pb.EvictReply(evicted=evicted, refused=refused)
+
+    async def WatchRemovals(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """Stream the removals of one namespace while the call lasts (issue 13,
+        ``meta/events.py``): a first empty batch once subscribed, then batches of at
+        most ``max_batch`` removals, an empty one every ``keepalive_s``; ``gap``
+        when removals were lost. The subscriber ends with the call."""
+        fp = bytes(request.namespace)
+        ns = self.core.namespaces.get(fp)
+        if ns is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown namespace (register it first)")
+            return
+        why = self.auth.may_register_namespace(
+            bearer(context.invocation_metadata()), str(ns.descriptor.get("cache_salt", ""))
+        )
+        if why is not None:
+            self.refused_unauthenticated += 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        feed = self.core.removals
+        try:
+            sub = feed.subscribe(fp, time.monotonic())
+        except FeedFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        max_batch = min(request.max_batch or 1024, 1 << 16)
+        keepalive = min(max(request.keepalive_s or 10.0, 0.05), 300.0)
+        if self._removal_wake is None:
+            self._removal_wake = asyncio.Event()
+        try:
+            yield pb.RemovalBatch(cursor=sub.cursor)
+            while True:
+                wake = self._removal_wake
+                if not feed.pending(sub):
+                    try:
+                        await asyncio.wait_for(wake.wait(), keepalive)
+                    except TimeoutError:
+                        yield pb.RemovalBatch(cursor=sub.cursor)
+                        continue
+                b = feed.read(sub, max_batch)
+                yield pb.RemovalBatch(
+                    removed=[pb.Removed(key=k, group=g) for k, g in b.removed],
+                    gap=b.gap,
+                    cursor=b.cursor,
+                )
+        finally:
+            feed.unsubscribe(sub)
 
     async def GetStats(self, request: Any, context: Any) -> Any:
         now = time.monotonic()

@@ -34,6 +34,7 @@ from gcache import keys, wire
 from gcache.config import MetaConfig
 from gcache.errors import LayoutError
 from gcache.layout import Layout, LayoutSpec
+from gcache.meta.events import SERVER_LOST, RemovalFeed
 from gcache.meta.eviction import make_policy
 from gcache.meta.rebuild import Rebuild
 from gcache.meta.records import GONE, NamespaceRecord, ObjectRecord, ServerRecord
@@ -98,6 +99,14 @@ COUNTERS = (
     "report_invalid",
     "report_duplicates",
     "reports_completed",
+    # issue 13: the removal feed (meta/events.py)
+    "removals_recorded",
+    "removals_delivered",
+    "removals_dropped_from_ring",
+    "removed_evicted",
+    "removed_server_lost",
+    "subscribers_refused",
+    "subscriber_gaps",
 )
 MAX_NAMESPACES = 4096
 
@@ -134,6 +143,7 @@ class MetaCore(Rebuild):
         self.pending_by_session = Counter()
         self.pending_by_tenant = Counter()
         self._live = None  # live servers, rebuilt on change
+        self.removals = RemovalFeed(cfg.event_ring, cfg.max_event_subscribers)
 
     # ---- control plane -------------------------------------------------------------
 
@@ -213,7 +223,7 @@ class MetaCore(Rebuild):
                 obj = ring.next_on
                 assert isinstance(obj, ObjectRecord)
                 entry = obj.entry
-                self._unlink(ns, entry, obj.group)  # also takes it off the ring
+                self._unlink(ns, entry, obj.group, SERVER_LOST)  # also off the ring
                 obj.state = GONE
                 self._prune(ns, entry)
         rec.rings.clear()
@@ -305,6 +315,7 @@ class MetaCore(Rebuild):
         )
         out.update(self.tier_stats())
         out["parked_objects"] = len(self.parked_all)
+        out.update(self.removals.stats())
         for name, val in self.group_bytes.items():
             out[f"bytes_stored_{name}"] = val
         lookups = self.counters["lookup_blocks"]

@@ -12,6 +12,8 @@ from collections import Counter
 from gcache.config import MetaConfig
 from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, Refusal
 from gcache.keys import KEY_SIZE
+from gcache.meta.events import EVICTED as REMOVED_EVICTED
+from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
 from gcache.meta.records import (
     EVICTED,
@@ -56,6 +58,7 @@ class IndexStore:
     cfg: MetaConfig
     policy: EvictionPolicy  # orders DRAM (tier 0) objects
     nvme_policy: EvictionPolicy  # orders NVMe (tier 1) objects
+    removals: RemovalFeed  # removed blocks, for WatchRemovals subscribers (issue 13)
     namespaces: dict[bytes, NamespaceRecord]
     counters: Counter[str]
     group_bytes: Counter[str]
@@ -236,10 +239,16 @@ class IndexStore:
             # its range may be re-used at once.
             self._free_object(obj)
 
-    def _unlink(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> ObjectRecord:
-        """Take object ``g`` of ``entry`` out of the index and its counters."""
+    def _unlink(
+        self, ns: NamespaceRecord, entry: BlockEntry, g: int, why: str = REMOVED_EVICTED
+    ) -> ObjectRecord:
+        """Take object ``g`` of ``entry`` out of the index and its counters. ``why``:
+        the reason told to removal subscribers; empty for an object moving between
+        tiers (still in GCache, not a removal)."""
         obj = entry.objects[g]
         assert obj is not None
+        if why and self.removals.rings:
+            self.removals.removed(ns.fingerprint, entry.key, g, why)
         entry.objects[g] = None
         srv = obj.server
         if g == ns.full_group:

@@ -394,7 +394,7 @@ class Tiers(Leases):
         """Switch the index from ``obj`` to its copy at ``offset`` in ``tier`` on the
         same server (a finished demotion or promotion); the caller frees ``obj``."""
         entry = obj.entry
-        self._unlink(ns, entry, obj.group)
+        self._unlink(ns, entry, obj.group, why="")  # moved, not removed (issue 13)
         new = ObjectRecord(
             entry, obj.group, obj.server, offset, obj.length, obj.sums, obj.last_access,
             obj.owner, tier=tier,
