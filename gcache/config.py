@@ -426,6 +426,11 @@ class ClientConfig:
     meta_grpc: str = _doc("meta gRPC address host:port", default="127.0.0.1:7701")
     timeout_s: float = _doc("per-operation timeout; a timeout is a miss", default=5.0)
     layers_in_flight: int = _doc("get_layers: layer reads kept in flight", default=8)
+    layer_bytes_in_flight: int = _doc(
+        "get_layers: read further ahead than layers_in_flight while the layers in "
+        "flight hold at most this many bytes (a hybrid model's next full layer)",
+        default=256 << 20,
+    )
     max_inflight_writes: int = _doc("put: object writes in flight per server", default=8)
     transport: str = _doc(
         "data path: auto (shared memory when the server is local), tcp, shm", default="auto"
@@ -473,6 +478,10 @@ class ClientConfig:
         for name in ("layers_in_flight", "max_inflight_writes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"client.{name} must be >= 1, got {getattr(self, name)}")
+        if self.layer_bytes_in_flight < 0:
+            raise ConfigError(
+                f"client.layer_bytes_in_flight must be >= 0, got {self.layer_bytes_in_flight}"
+            )
         if self.transport not in ("auto", "tcp", "shm"):
             raise ConfigError(f"client.transport must be auto, tcp or shm, got {self.transport!r}")
         _check_hostport("client.meta", self.meta)

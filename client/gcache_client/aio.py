@@ -39,7 +39,7 @@ from gcache.errors import (
 )
 from gcache_client import arrays
 from gcache_client.conn import PipelinedConn, gather_or_cancel
-from gcache_client.layers import LayerStream
+from gcache_client.layers import LayerReads, LayerStream
 from gcache_client.leases import ReleaseBatcher
 from gcache_client.plans import OFFLOAD_BYTES, copy_verify, halves, plan_layer, verify
 from gcache_client.pool import ConnectionPool
@@ -325,13 +325,20 @@ class AsyncGCacheClient:
         return first * bs, (match.blocks - first) * bs
 
     async def fetch_layer(
-        self, match: Match, layer: int, out: KVPair | None = None, *, offload: bool = False
+        self,
+        match: Match,
+        layer: int,
+        out: KVPair | None = None,
+        *,
+        offload: bool = False,
+        reads: LayerReads | None = None,
     ) -> LayerKV:
         """Read one layer of a match into ``out`` (or fresh arrays) and verify it.
         Raises :class:`GCacheError` subclasses; the stream/``get`` turn them into misses.
         ``offload``: copy and verify a large shared-memory layer on the copy threads,
         for a caller computing while layers arrive (``get_layers``); inline is cheaper
-        when nobody else runs meanwhile (``get``)."""
+        when nobody else runs meanwhile (``get``). ``reads``: a stream's group plans,
+        and its large shared-memory copies one at a time in layer order."""
         ns = match.namespace
         layout = ns.layout
         spec = layout.spec.layers[layer]
@@ -360,9 +367,10 @@ class AsyncGCacheClient:
         plan_args = (match, g, first_tok // layout.block_size, off, kb, vb, li, k_arr, v_arr)
         layer_bytes = k_arr.nbytes + v_arr.nbytes
         big = offload and layer_bytes >= OFFLOAD_BYTES
-        # A full layer is ~500 blocks: building its plan in Python takes ~1.5 ms, which
-        # on the event loop would hold up layers already fetched. Off the loop it goes.
-        plans = await self.pool.offload(plan_layer, *plan_args) if big else plan_layer(*plan_args)
+        # A layer's plan is O(servers) once its group's is made (O(blocks), once per
+        # match and group in a stream); the per-block views a TCP read needs are made
+        # on a copy thread for a large layer (materialize, below).
+        plans = plan_layer(*plan_args, None if reads is None else reads.groups)
         remote = {}
         for si, sp in plans.items():
             addr = match.servers[si >> 1]  # si: plan_key(server, tier)
@@ -373,18 +381,25 @@ class AsyncGCacheClient:
                     self.counters["bytes_read_nvme"] += sp.nbytes
                 continue
             if big:  # copy + verify, half of the blocks on each copy thread
-                parts = halves(len(sp.checks), sp.nbytes)
+                if reads is not None:
+                    await reads.turn(layer)
+                parts = halves(sp.count, sp.nbytes)
                 ok = all(
                     await gather_or_cancel(
                         *(self.pool.offload(copy_verify, seg, sp, a, b) for a, b in parts)
                     )
                 )
             else:
-                ok = copy_verify(seg, sp, 0, len(sp.checks))
+                ok = copy_verify(seg, sp, 0, sp.count)
             if not ok:
                 raise IntegrityError(f"layer {layer}: checksum mismatch")
             self.counters["bytes_read_shm"] += sp.nbytes
+        if reads is not None:
+            reads.passed(layer)  # this layer's shared-memory copies are done
         if remote:
+            if big:
+                for si in remote:
+                    await self.pool.offload(plans[si].materialize)
             await gather_or_cancel(
                 *(
                     remote[si].call(

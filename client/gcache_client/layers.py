@@ -1,4 +1,19 @@
-"""``LayerStream``: a match's layers in model order, read ahead of the consumer."""
+"""``LayerStream``: a match's layers in model order, read ahead of the consumer.
+
+Read-ahead (issue 12, round two): at least ``layers_in_flight`` layers, and
+beyond them as many as fit in ``layer_bytes_in_flight`` bytes. A hybrid model's
+bytes sit in a few full-attention layers (MiMo-V2-Flash at 32k tokens: 9 layers
+of 84 MB, 39 sliding layers of ~0.3 MB), so a count of layers alone left the copy
+idle between full layers while the consumer worked through the sliding ones. The
+caller's buffers are preallocated, so reading further ahead costs no memory; with
+``out=None`` the fresh arrays in flight are what the byte bound limits.
+
+Large shared-memory copies run one at a time in layer order (:class:`LayerReads`):
+each uses every core the native kernel splits it across, so layer 0 arrives after
+one layer's copy instead of sharing the memory bus with the next full layer. The
+stream also keeps the match's group plans (:func:`gcache_client.plans.plan_group`):
+every layer of a group reads the same objects, so they are planned once.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +22,62 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gcache.errors import GCacheError, LayoutError
+from gcache_client.plans import GroupServer
 from gcache_client.types import KVPair, LayerKV, Match
 
 if TYPE_CHECKING:
     from gcache_client.aio import AsyncGCacheClient
+
+
+class LayerReads:
+    """One stream's shared state: its match's group plans, and layer-order turns
+    for its large shared-memory copies.
+
+    ``turn(l)`` returns once every layer below ``l`` has ``passed``; a layer
+    passes when its shared-memory copies are done (or it had none, or it failed).
+    Plain state plus one future per waiting layer; ``passed`` is idempotent."""
+
+    __slots__ = ("_low", "_passed", "_waiters", "groups")
+
+    def __init__(self) -> None:
+        self._low = 0  # every layer below this one has passed
+        self._passed: set[int] = set()
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self.groups: dict[int, dict[int, GroupServer]] = {}
+
+    @property
+    def low(self) -> int:
+        return self._low
+
+    def passed(self, layer: int) -> None:
+        if layer < self._low:
+            return
+        self._passed.add(layer)
+        while self._low in self._passed:
+            self._passed.discard(self._low)
+            self._low += 1
+        for w in [w for w in self._waiters if w <= self._low]:
+            fut = self._waiters.pop(w)
+            if not fut.done():
+                fut.set_result(None)
+
+    async def turn(self, layer: int) -> None:
+        if layer <= self._low:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[layer] = fut
+        try:
+            await fut
+        finally:
+            if self._waiters.get(layer) is fut:
+                del self._waiters[layer]
+
+
+def layer_nbytes(client: AsyncGCacheClient, match: Match, layer: int) -> int:
+    """Bytes of ``layer``'s K and V in ``match`` (the rows ``layer_rows`` gives)."""
+    layout = match.namespace.layout
+    _, kb, vb = layout.layer_range(layer)
+    return client.layer_rows(match, layer)[1] // layout.block_size * (kb + vb)
 
 
 class LayerStream:
@@ -25,19 +92,38 @@ class LayerStream:
         self.out = out
         self.ok = match.blocks > 0
         self.error: str = "" if self.ok else "no match"
-        self._next = 0
+        self._next = 0  # the next layer to hand over
+        self._top = 0  # the next layer to start reading
+        self._ahead = 0  # bytes of layers started and not handed over
         self._tasks: dict[int, asyncio.Task[LayerKV]] = {}
         self._num = match.namespace.layout.num_layers if match.blocks else 0
+        self._bytes = [layer_nbytes(client, match, i) for i in range(self._num)]
+        self.reads = LayerReads()
 
     def _schedule(self) -> None:
-        ahead = self.client.config.layers_in_flight
-        top = min(self._num, self._next + ahead)
-        for layer in range(self._next, top):
-            if layer not in self._tasks:
-                out = None if self.out is None else self.out[layer]
-                self._tasks[layer] = asyncio.create_task(
-                    self.client.fetch_layer(self.match, layer, out, offload=True)
-                )
+        cfg = self.client.config
+        while self._top < self._num and (
+            self._top - self._next < cfg.layers_in_flight
+            or self._ahead + self._bytes[self._top] <= cfg.layer_bytes_in_flight
+        ):
+            layer = self._top
+            out = None if self.out is None else self.out[layer]
+            self._tasks[layer] = asyncio.create_task(self._read(layer, out))
+            self._ahead += self._bytes[layer]
+            self._top += 1
+
+    async def _read(self, layer: int, out: KVPair | None) -> LayerKV:
+        try:
+            return await self.client.fetch_layer(
+                self.match, layer, out, offload=True, reads=self.reads
+            )
+        finally:
+            self.reads.passed(layer)
+
+    @property
+    def started(self) -> int:
+        """Layers whose reads were started (handed over or in flight)."""
+        return self._top
 
     def __aiter__(self) -> LayerStream:
         return self
@@ -58,6 +144,7 @@ class LayerStream:
             self.error = str(exc)
             await self.aclose()
             raise StopAsyncIteration from None
+        self._ahead -= self._bytes[self._next]
         self._next += 1
         self._schedule()
         return layer
@@ -67,7 +154,7 @@ class LayerStream:
         into any buffer."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        self._next = self._num
+        self._next = self._top = self._num
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

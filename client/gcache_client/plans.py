@@ -11,7 +11,7 @@ import numpy as np
 
 from gcache import _native as native
 from gcache import wire
-from gcache.errors import IntegrityError
+from gcache.errors import E_OUT_OF_RANGE, AccessDenied, IntegrityError
 from gcache.transport.shm import MappedSegment
 from gcache_client import arrays
 from gcache_client.types import Match
@@ -40,20 +40,122 @@ def verify(checks: list[tuple[memoryview, memoryview, bytes]]) -> bool:
     return native.checksums(pieces, 2) == b"".join(c[2] for c in checks)
 
 
+class GroupServer:
+    """One server's (and tier's) blocks of one layout group in a match: what every
+    layer of the group shares. Built once per match and group (a get_layers
+    stream keeps them), so a layer's plan costs O(servers), not O(blocks).
+
+    ``offsets`` (the grants' segment offsets) and ``rows`` (each block's row in
+    the caller's arrays) are int64 arrays for the native read; ``sums`` is every
+    block's per-layer checksums back to back, ``stride`` bytes a block."""
+
+    __slots__ = ("expiry", "grant_bytes", "grants", "offsets", "rows", "stride", "sums")
+
+    def __init__(self, locs: list[tuple[int, wire.ObjectLoc]], stride: int) -> None:
+        self.grants = [loc.grant for _, loc in locs]
+        self.offsets = np.fromiter((gr.offset for gr in self.grants), np.int64, len(locs))
+        self.rows = np.fromiter((r for r, _ in locs), np.int64, len(locs))
+        self.stride = stride
+        for _, loc in locs:
+            if len(loc.sums) != stride:
+                raise IntegrityError(f"object ({loc.block}, {loc.group}) has no checksum per layer")
+        self.sums = b"".join(loc.sums for _, loc in locs)
+        self.expiry = min(gr.expiry_ms for gr in self.grants)  # unix ms
+        self.grant_bytes = min(gr.length for gr in self.grants)
+
+
+def plan_group(match: Match, g: int, first_blk: int) -> dict[int, GroupServer]:
+    """Group ``g``'s blocks ``[first_blk, match.blocks)`` per :func:`plan_key`."""
+    stride = 8 * len(match.namespace.layout.group_layers[g])
+    by_key: dict[int, list[tuple[int, wire.ObjectLoc]]] = {}
+    objects = match.objects
+    for blk in range(first_blk, match.blocks):
+        loc = objects.get((blk, g))
+        if loc is None:
+            raise IntegrityError(f"match lacks object ({blk}, {g})")
+        key = plan_key(loc.server, loc.grant.tier)
+        got = by_key.get(key)
+        if got is None:
+            got = by_key[key] = []
+        got.append((blk - first_blk, loc))
+    return {key: GroupServer(locs, stride) for key, locs in by_key.items()}
+
+
 class ServerPlan:
-    """One server's share of a layer read: the grants, the ``(grant index, offset,
-    length)`` ranges (K then V of each block), the destination views in the caller's
-    arrays, and per block the views and checksum to verify."""
+    """One server's share of a layer read: its :class:`GroupServer` and the layer's
+    place in each object. For TCP it also gives the grants, the ``(grant index,
+    offset, length)`` ranges (K then V of each block), the destination views in
+    the caller's arrays and per block the views and checksum to verify, made on
+    first use (:meth:`materialize`): a shared-memory read never needs them."""
 
-    __slots__ = ("checks", "dest", "expiry", "grants", "nbytes", "ranges")
+    __slots__ = (
+        *("_checks", "_dest", "_ranges", "count", "gs", "kb", "kbytes", "li", "nbytes"),
+        *("off", "vb", "vbytes"),
+    )
 
-    def __init__(self) -> None:
-        self.grants: list[wire.Grant] = []
-        self.ranges: list[tuple[int, int, int]] = []
-        self.dest: list[memoryview] = []
-        self.checks: list[tuple[memoryview, memoryview, bytes]] = []
-        self.expiry = 0  # the earliest grant expiry (unix ms)
-        self.nbytes = 0
+    def __init__(
+        self,
+        gs: GroupServer,
+        off: int,
+        kb: int,
+        vb: int,
+        li: int,
+        kbytes: memoryview,
+        vbytes: memoryview,
+    ) -> None:
+        self.gs = gs
+        self.off, self.kb, self.vb, self.li = off, kb, vb, li
+        self.kbytes, self.vbytes = kbytes, vbytes
+        self.count = len(gs.grants)
+        self.nbytes = self.count * (kb + vb)
+        self._ranges: list[tuple[int, int, int]] | None = None
+        self._dest: list[memoryview] = []
+        self._checks: list[tuple[memoryview, memoryview, bytes]] = []
+
+    @property
+    def grants(self) -> list[wire.Grant]:
+        return self.gs.grants
+
+    @property
+    def expiry(self) -> int:
+        return self.gs.expiry
+
+    def materialize(self) -> None:
+        """The per-block ranges, views and checks a TCP read needs (~1 ms for a full
+        MiMo layer of 512 blocks: the stream runs it on a copy thread)."""
+        if self._ranges is not None:
+            return
+        kb, vb, off, li, stride = self.kb, self.vb, self.off, self.li, self.gs.stride
+        ranges: list[tuple[int, int, int]] = []
+        dest: list[memoryview] = []
+        checks: list[tuple[memoryview, memoryview, bytes]] = []
+        kbytes, vbytes, sums = self.kbytes, self.vbytes, self.gs.sums
+        for gi, (base, r) in enumerate(
+            zip(self.gs.offsets.tolist(), self.gs.rows.tolist(), strict=True)
+        ):
+            base += off
+            ranges += ((gi, base, kb), (gi, base + kb, vb))
+            kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
+            dest += (kd, vd)
+            c = gi * stride + 8 * li
+            checks.append((kd, vd, sums[c : c + 8]))
+        self._dest, self._checks, self._ranges = dest, checks, ranges
+
+    @property
+    def ranges(self) -> list[tuple[int, int, int]]:
+        self.materialize()
+        assert self._ranges is not None
+        return self._ranges
+
+    @property
+    def dest(self) -> list[memoryview]:
+        self.materialize()
+        return self._dest
+
+    @property
+    def checks(self) -> list[tuple[memoryview, memoryview, bytes]]:
+        self.materialize()
+        return self._checks
 
 
 def plan_key(server: int, tier: int) -> int:
@@ -72,36 +174,39 @@ def plan_layer(
     li: int,
     k_arr: np.ndarray,
     v_arr: np.ndarray,
+    groups: dict[int, dict[int, GroupServer]] | None = None,
 ) -> dict[int, ServerPlan]:
-    """One layer's reads, per :func:`plan_key` (server index and tier)."""
-    plans: dict[int, ServerPlan] = {}
+    """One layer's reads, per :func:`plan_key` (server index and tier). ``groups``:
+    the group plans of this match made so far (filled in here), shared by a
+    stream's layers."""
+    gp = None if groups is None else groups.get(g)
+    if gp is None:
+        gp = plan_group(match, g, first_blk)
+        if groups is not None:
+            groups[g] = gp
     kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
-    objects = match.objects
-    for blk in range(first_blk, match.blocks):
-        loc = objects.get((blk, g))
-        if loc is None:
-            raise IntegrityError(f"match lacks object ({blk}, {g})")
-        key = plan_key(loc.server, loc.grant.tier)
-        sp = plans.get(key)
-        if sp is None:
-            sp = plans[key] = ServerPlan()
-        gi = len(sp.grants)
-        sp.grants.append(loc.grant)
-        base = loc.grant.offset + off
-        sp.ranges += ((gi, base, kb), (gi, base + kb, vb))
-        r = blk - first_blk
-        kd, vd = kbytes[r * kb : (r + 1) * kb], vbytes[r * vb : (r + 1) * vb]
-        sp.dest += (kd, vd)
-        sp.checks.append((kd, vd, loc.sums[li * 8 : li * 8 + 8]))
-    for sp in plans.values():
-        sp.expiry = min(gr.expiry_ms for gr in sp.grants)
-        sp.nbytes = len(sp.checks) * (kb + vb)
-    return plans
+    return {key: ServerPlan(gs, off, kb, vb, li, kbytes, vbytes) for key, gs in gp.items()}
 
 
 def copy_verify(seg: MappedSegment, sp: ServerPlan, a: int, b: int) -> bool:
     """Copy blocks ``[a, b)`` of a local server's share under its lease and verify
-    them, checksumming each block's bytes as they land (one pass, no GIL)."""
-    spans = [(o, n) for _, o, n in sp.ranges[2 * a : 2 * b]]
-    sums = seg.read_checksums(spans, sp.dest[2 * a : 2 * b], 2, sp.expiry)
-    return sums == b"".join(c[2] for c in sp.checks[a:b])
+    them, checksumming each block's bytes as they land: one native call (no GIL)
+    plans the ranges, copies and compares with the meta's checksums."""
+    gs = sp.gs
+    if sp.off + sp.kb + sp.vb > gs.grant_bytes:
+        raise AccessDenied(E_OUT_OF_RANGE, "layer range outside its grant")
+    st = gs.stride
+    bad = seg.read_layer(
+        gs.offsets[a:b],
+        gs.rows[a:b],
+        sp.kbytes,
+        sp.vbytes,
+        memoryview(gs.sums)[a * st : b * st],
+        st,
+        sp.li,
+        sp.off,
+        sp.kb,
+        sp.vb,
+        gs.expiry,
+    )
+    return bad < 0

@@ -25,7 +25,15 @@ from typing import Final
 
 from gcache._native import fallback
 
-__all__ = ["CHECKSUM", "NATIVE", "checksums", "copy_checksums", "set_threads", "verify"]
+__all__ = [
+    "CHECKSUM",
+    "NATIVE",
+    "checksums",
+    "copy_checksums",
+    "read_layer",
+    "set_threads",
+    "verify",
+]
 
 CHECKSUM: Final = "xxh3-64"
 Buffer = memoryview | bytes | bytearray
@@ -58,6 +66,33 @@ def copy_checksums(
     if NATIVE:
         return _dataplane.copy_checksums(dst, src, group, hash_src)
     return fallback.copy_checksums(dst, src, group, hash_src)
+
+
+def read_layer(
+    seg: Buffer,
+    kdst: Buffer,
+    vdst: Buffer,
+    offsets: Buffer,
+    rows: Buffer,
+    sums: Buffer,
+    stride: int,
+    li: int,
+    off: int,
+    kb: int,
+    vb: int,
+) -> int:
+    """One layer's blocks out of a mapped segment, copied and verified in one call.
+
+    Block ``r`` (``offsets``, ``rows``: int64 buffers): K is
+    ``seg[offsets[r] + off, +kb)``, V the ``vb`` bytes after it; they land in row
+    ``rows[r]`` of ``kdst`` (``kb`` bytes a row) and ``vdst`` (``vb``), and the
+    xxh3-64 of what landed must equal ``sums[r * stride + 8 * li, +8)``. Returns -1
+    when every block matched, else the first block that did not. A range outside
+    ``seg`` or a row outside the destinations raises ``ValueError`` before any byte
+    moves."""
+    if NATIVE:
+        return _dataplane.read_layer(seg, kdst, vdst, offsets, rows, sums, stride, li, off, kb, vb)
+    return fallback.read_layer(seg, kdst, vdst, offsets, rows, sums, stride, li, off, kb, vb)
 
 
 def verify(src: Sequence[Buffer], group: int, want: bytes) -> bool:

@@ -465,6 +465,123 @@ static PyObject *py_copy_checksums(PyObject *self, PyObject *args, PyObject *kw)
     return res;
 }
 
+/* read_layer(seg, kdst, vdst, offsets, rows, sums, stride, li, off, kb, vb, threads=0)
+ *   -> int: one layer of n blocks out of a mapped segment, planned, copied and
+ * verified in one call (issue 12, round two). Block r's K is
+ * seg[offsets[r] + off, +kb), its V the vb bytes after it; they land in rows
+ * rows[r] of kdst (kb bytes a row) and vdst (vb bytes a row), and
+ * xxh3-64(K || V) of what landed is compared with the 8 bytes at
+ * sums[r * stride + 8 * li]. offsets and rows are int64 buffers of n entries.
+ * Returns -1 when every block matched, else the first block that did not.
+ * Every range is checked against the buffers' sizes first (ValueError), so no
+ * byte moves unless all of them may. */
+static PyObject *py_read_layer(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"seg", "kdst", "vdst", "offsets", "rows", "sums", "stride",
+                             "li",  "off",  "kb",   "vb",      "threads", NULL};
+    Py_buffer seg, kd, vd, offs, rows, sums;
+    Py_ssize_t stride, li, off, kb, vb;
+    int threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*w*y*y*y*nnnnn|i", kwlist, &seg, &kd, &vd,
+                                     &offs, &rows, &sums, &stride, &li, &off, &kb, &vb,
+                                     &threads))
+        return NULL;
+    PyObject *res = NULL;
+    piece_t *p = NULL;
+    Py_ssize_t n = offs.len / 8;
+    const int64_t *o = (const int64_t *)offs.buf;
+    const int64_t *rw = (const int64_t *)rows.buf;
+    if (offs.len % 8 || rows.len != offs.len) {
+        PyErr_SetString(PyExc_ValueError, "offsets and rows must be int64 buffers of equal length");
+        goto done;
+    }
+    if (kb < 0 || vb < 0 || off < 0 || li < 0 || stride < 8 * (li + 1) || sums.len < n * stride) {
+        PyErr_SetString(PyExc_ValueError, "bad layer geometry or checksum table");
+        goto done;
+    }
+    Py_ssize_t krows = kb ? kd.len / kb : 0, vrows = vb ? vd.len / vb : 0;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        if (o[r] < 0 || o[r] > seg.len || seg.len - o[r] < off + kb + vb) {
+            PyErr_Format(PyExc_ValueError, "block %zd: range [%lld, +%zd) outside the segment", r,
+                         (long long)o[r] + off, kb + vb);
+            goto done;
+        }
+        if (rw[r] < 0 || (kb && rw[r] >= krows) || (vb && rw[r] >= vrows)) {
+            PyErr_Format(PyExc_ValueError, "block %zd: row %lld outside the destination", r,
+                         (long long)rw[r]);
+            goto done;
+        }
+    }
+    p = PyMem_Malloc((size_t)(n ? 2 * n : 1) * sizeof(piece_t));
+    if (!p) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const char *src = (const char *)seg.buf + o[r] + off;
+        p[2 * r] = (piece_t){(char *)kd.buf + rw[r] * kb, src, kb, total};
+        total += kb;
+        p[2 * r + 1] = (piece_t){(char *)vd.buf + rw[r] * vb, src + kb, vb, total};
+        total += vb;
+    }
+    unsigned char *got = PyMem_Malloc((size_t)(n ? 8 * n : 1));
+    if (!got) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int nt = threads > 0 ? threads : g_threads;
+    if (nt > MAX_THREADS) nt = MAX_THREADS;
+    Py_ssize_t by_size = total / MIN_PER_THREAD;
+    if (by_size < nt) nt = by_size < 1 ? 1 : (int)by_size;
+    job_t *j = NULL;
+    hstate_t *states = NULL;
+    if (posix_memalign((void **)&j, 64, sizeof(job_t)) != 0 ||
+        posix_memalign((void **)&states, 64, (size_t)nt * sizeof(hstate_t)) != 0) {
+        free(j);
+        PyMem_Free(got);
+        PyErr_NoMemory();
+        goto done;
+    }
+    memset(j, 0, sizeof(*j));
+    j->p = p;
+    j->n = 2 * n;
+    j->group = 2;
+    j->total = total;
+    j->algo = ALGO_XXH3;
+    j->hash_src = 0; /* hash what landed in the caller's buffers */
+    j->nthreads = nt;
+    j->out = got;
+    for (int t = 0; t < nt; t++) {
+        j->w[t].job = j;
+        j->w[t].t = t;
+        j->w[t].h = &states[t];
+    }
+    Py_ssize_t bad = -1;
+    const unsigned char *want = (const unsigned char *)sums.buf;
+    Py_BEGIN_ALLOW_THREADS
+    run_job(j);
+    for (Py_ssize_t r = 0; r < n; r++) {
+        if (memcmp(got + 8 * r, want + r * stride + 8 * li, 8) != 0) {
+            bad = r;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(states);
+    free(j);
+    PyMem_Free(got);
+    res = PyLong_FromSsize_t(bad);
+done:
+    PyMem_Free(p);
+    PyBuffer_Release(&seg);
+    PyBuffer_Release(&kd);
+    PyBuffer_Release(&vd);
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&sums);
+    return res;
+}
+
 static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
@@ -485,6 +602,10 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "copy_checksums(dst, src, group, hash_src=False, algo=0, threads=0) -> bytes: copy "
      "src[i] into dst[i] and checksum every group of pieces in the same pass."},
+    {"read_layer", (PyCFunction)(void (*)(void))py_read_layer, METH_VARARGS | METH_KEYWORDS,
+     "read_layer(seg, kdst, vdst, offsets, rows, sums, stride, li, off, kb, vb, threads=0) "
+     "-> int: copy one layer's blocks out of a segment and verify them in one pass; -1 or "
+     "the first block whose checksum did not match."},
     {"set_threads", py_set_threads, METH_O,
      "set_threads(n) -> previous: threads a large call is split across."},
     {NULL, NULL, 0, NULL},

@@ -15,4 +15,18 @@ def copy_checksums(
     algo: int = 0,
     threads: int = 0,
 ) -> bytes: ...
+def read_layer(
+    seg: memoryview | bytes | bytearray,
+    kdst: memoryview | bytes | bytearray,
+    vdst: memoryview | bytes | bytearray,
+    offsets: memoryview | bytes | bytearray,
+    rows: memoryview | bytes | bytearray,
+    sums: memoryview | bytes | bytearray,
+    stride: int,
+    li: int,
+    off: int,
+    kb: int,
+    vb: int,
+    threads: int = 0,
+) -> int: ...
 def set_threads(n: int, /) -> int: ...

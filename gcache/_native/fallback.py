@@ -47,6 +47,49 @@ def copy_checksums(
     return checksums(src if hash_src else dst, group)
 
 
+def read_layer(
+    seg: Buffer,
+    kdst: Buffer,
+    vdst: Buffer,
+    offsets: Buffer,
+    rows: Buffer,
+    sums: Buffer,
+    stride: int,
+    li: int,
+    off: int,
+    kb: int,
+    vb: int,
+) -> int:
+    o = np.frombuffer(offsets, np.int64)
+    rw = np.frombuffer(rows, np.int64)
+    if len(o) != len(rw):
+        raise ValueError("offsets and rows must be int64 buffers of equal length")
+    sv = memoryview(sums).cast("B")
+    if min(kb, vb, off, li) < 0 or stride < 8 * (li + 1) or len(sv) < len(o) * stride:
+        raise ValueError("bad layer geometry or checksum table")
+    src = np.frombuffer(seg, np.uint8)
+    kd = np.frombuffer(kdst, np.uint8)
+    vd = np.frombuffer(vdst, np.uint8)
+    krows = kd.nbytes // kb if kb else 0
+    vrows = vd.nbytes // vb if vb else 0
+    for r, (a, row) in enumerate(zip(o.tolist(), rw.tolist(), strict=True)):
+        if a < 0 or a + off + kb + vb > src.nbytes:
+            raise ValueError(f"block {r}: range [{a + off}, +{kb + vb}) outside the segment")
+        if row < 0 or (kb and row >= krows) or (vb and row >= vrows):
+            raise ValueError(f"block {r}: row {row} outside the destination")
+    bad = -1
+    for r, (a, row) in enumerate(zip(o.tolist(), rw.tolist(), strict=True)):
+        k = kd[row * kb : (row + 1) * kb]
+        v = vd[row * vb : (row + 1) * vb]
+        np.copyto(k, src[a + off : a + off + kb])
+        np.copyto(v, src[a + off + kb : a + off + kb + vb])
+        h = xxhash.xxh3_64(k.data)
+        h.update(v.data)
+        if bad < 0 and h.digest() != sv[r * stride + 8 * li : r * stride + 8 * li + 8]:
+            bad = r
+    return bad
+
+
 def set_threads(n: int) -> int:
     global _threads
     if not 1 <= n <= 16:
