@@ -1,13 +1,16 @@
 """Meta rebuild time and memory for N indexed blocks reported by the servers.
 
     python -m bench.meta_rebuild [--blocks 1000000] [--servers 4] [--order random]
-                                 [--namespace first|last] [--json FILE]
+                                 [--namespace first|last] [--format columns|objects]
+                                 [--json FILE]
 
 Starts a real ``gcache-meta`` process (``LocalDeployment`` with no servers) and
 plays ``--servers`` restarted storage servers over real gRPC: each registers
 (``RegisterServer`` with its object count) and streams its manifest with
 ``ReportObjects`` in chunks of 2048 records, all servers at once, exactly as
-``gcache-server`` does after a meta restart (``server/tiers.py``). The records are
+``gcache-server`` does after a meta restart (``server/tiers.py``): in columns
+(``StoredColumns``, ``--format columns``) or, as servers before them did, as
+``StoredObject`` messages (``--format objects``). The records are
 those of prompts of ``--prompt-blocks`` blocks with the MiMo-V2-Flash layout
 (block size 64; one full object per block, the sliding-window objects of each
 prompt's last blocks, strict O(W)); each object sits on a random server, a
@@ -50,6 +53,8 @@ from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.cli.deploy import LocalDeployment
 from gcache.layout import Layout, preset
+from gcache.storage import columns
+from gcache.storage.manifest import StoredRecord
 
 CHUNK = 2048  # records per ReportObjects message (gcache/server/tiers.py REPORT_CHUNK)
 ALIGN = 4096
@@ -80,6 +85,7 @@ def manifests(
     servers: int,
     nvme_fraction: float,
     order: str,
+    fmt: str = "columns",
     seed: int = 1,
 ) -> tuple[list[list[bytes]], list[int], int]:
     """Each server's report as serialised ``ReportObjectsRequest`` bodies (without
@@ -88,7 +94,7 @@ def manifests(
     rng = random.Random(seed)
     sizes = layout.group_object_bytes
     sums = [bytes(8 * len(layout.group_layers[g])) for g in range(layout.num_groups)]
-    per: list[list[pb.StoredObject]] = [[] for _ in range(servers)]
+    per: list[list[StoredRecord]] = [[] for _ in range(servers)]
     dram_off = [0] * servers
     nvme_off = [0] * servers
     seq = 0
@@ -114,7 +120,7 @@ def manifests(
                         tier, off = 0, dram_off[s]
                         dram_off[s] += (length + ALIGN - 1) // ALIGN * ALIGN
                     per[s].append(
-                        pb.StoredObject(
+                        StoredRecord(
                             namespace=fp, key=key, parent=parent, pos=pos, group=g,
                             tier=tier, offset=off, length=length, sums=sums[g], seq=seq,
                         )
@@ -132,12 +138,26 @@ def manifests(
             recs.sort(key=lambda o: o.pos)
         out.append(
             [
-                pb.ReportObjectsRequest(objects=recs[i : i + CHUNK]).SerializeToString()
+                chunk_body(recs[i : i + CHUNK], fmt).SerializeToString()
                 for i in range(0, len(recs), CHUNK)
             ]
         )
     caps = [max(4 * d, 1 << 30) for d in dram_off]  # below the watermarks
     return out, caps, total
+
+
+def chunk_body(recs: list[StoredRecord], fmt: str) -> Any:
+    """A ``ReportObjectsRequest`` carrying ``recs``: in columns (``StoredColumns``,
+    what ``gcache-server`` sends a meta that takes them) or as ``StoredObject``
+    messages (servers before columns)."""
+    if fmt == "columns":
+        return pb.ReportObjectsRequest(columns=columns.encode(recs))
+    fields = ("namespace", "key", "parent", "pos", "group", "tier", "offset", "length")
+    objects = [
+        pb.StoredObject(sums=r.sums, seq=r.seq, **{f: getattr(r, f) for f in fields})
+        for r in recs
+    ]
+    return pb.ReportObjectsRequest(objects=objects)
 
 
 def cpu_s(pid: int) -> float:
@@ -230,7 +250,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = Layout(spec)
     t = time.perf_counter()
     chunks, caps, total = manifests(
-        fp, layout, args.blocks, args.prompt_blocks, args.servers, args.nvme_fraction, args.order
+        fp,
+        layout,
+        args.blocks,
+        args.prompt_blocks,
+        args.servers,
+        args.nvme_fraction,
+        args.order,
+        args.format,
     )
     build_s = time.perf_counter() - t
     ns_req = pb.RegisterNamespaceRequest(
@@ -263,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "objects": total,
         "servers": args.servers,
         "order": args.order,
+        "format": args.format,
         "namespace": "last" if args.namespace_last else "first",
         "nvme_fraction": args.nvme_fraction,
         "rebuild_s": round(dt, 3),
@@ -293,6 +321,12 @@ def main() -> None:
     ap.add_argument("--nvme-fraction", type=float, default=0.5)
     ap.add_argument("--order", choices=("random", "block"), default="block")
     ap.add_argument("--namespace", choices=("first", "last"), default="first")
+    ap.add_argument(
+        "--format",
+        choices=("columns", "objects"),
+        default="columns",
+        help="ReportObjects chunks in columns (StoredColumns) or as StoredObject messages",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     args.namespace_last = args.namespace == "last"

@@ -18,13 +18,14 @@ from gcache import wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import Authenticator, bearer
-from gcache.errors import LayoutError, Refusal
+from gcache.errors import LayoutError, ProtocolError, Refusal
 from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
 from gcache.meta.events import FeedFull
 from gcache.meta.rebuild import Parked
-from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord
+from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord, group_layer_bytes
 from gcache.meta.tiers import Demotion, Promotion
+from gcache.storage import columns
 
 log = logging.getLogger("gcache.meta.control")
 
@@ -70,6 +71,7 @@ def stored(obj: ObjectRecord, ns: NamespaceRecord) -> Any:
         offset=obj.offset,
         length=obj.length,
         sums=obj.sums,
+        layer_bytes=group_layer_bytes(ns.layout, obj.group),
     )
 
 
@@ -137,6 +139,7 @@ def parked_records(objects: Any) -> list[Parked]:
             o.length,
             o.sums,
             o.seq,
+            layer_bytes=tuple(o.layer_bytes),
         )
         for o in objects
     ]
@@ -250,6 +253,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.core.cfg.heartbeat_timeout_s,
             epoch=self.core.epoch,
+            report_columns=True,
         )
 
     async def ReportObjects(self, request_iterator: Any, context: Any) -> Any:
@@ -269,10 +273,24 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                     f"report for meta epoch {chunk.epoch}, this meta's is {self.core.epoch}: "
                     "register again",
                 )
-            records = parked_records(chunk.objects)
+            cols = None
+            if chunk.HasField("columns"):
+                try:
+                    cols = columns.decode(chunk.columns)  # all or nothing of the chunk
+                except ProtocolError as exc:
+                    log.warning("server %s: %s", chunk.server_id, exc)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    return None
+            now = time.monotonic()
+            records = parked_records(chunk.objects)  # a server before columns
             got = self.core.report_objects(
-                chunk.server_id, chunk.incarnation, records, chunk.last, time.monotonic()
+                chunk.server_id, chunk.incarnation, records, chunk.last and cols is None, now
             )
+            if got is not None and cols is not None:
+                more = self.core.report_columns(
+                    chunk.server_id, chunk.incarnation, cols, chunk.last, now
+                )
+                got = None if more is None else (got[0] + more[0], got[1] + more[1])
             if got is None:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,

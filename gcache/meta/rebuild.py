@@ -10,10 +10,17 @@ meta that lost its memory never hands out a range that holds live data.
 A record is *parked* when its namespace is not registered yet (clients register
 theirs again on their first request to a restarted meta) or its parent block has
 not been reported (by this server or another). Parked DRAM ranges stay allocated.
-Parked records are adopted when the namespace or parent arrives, and freed (the
-server drops them) after ``parked_ttl_s`` or when more than
-``max_parked_objects`` wait. Adopted records get ``last_access`` from their
-sequence number, so the eviction order is the recorded one as far as it goes.
+Records waiting for a parent are kept per namespace and retried in block order, in
+bulk: after every chunk while few wait, else once as many records arrived since the
+last retry as wait (so retrying costs about one check per record reported), at the end of
+every report, and when their namespace is registered; a record whose parent came
+in the next chunk of another server is adopted then, at about the cost of one
+adopted at once (the four streams of a restarted cluster interleave; a server that
+does not sort its manifest costs one pass more). Records waiting for their namespace
+are adopted when it is registered. Parked records are freed (the server drops
+them) after ``parked_ttl_s`` or when more than ``max_parked_objects`` wait.
+Adopted records get ``last_access`` from their sequence number, so the eviction
+order is the recorded one as far as it goes.
 
 A record that cannot be right (out of the segment, misaligned, overlapping another,
 a wrong length or checksum count for its group) is dropped and freed, never
@@ -34,9 +41,11 @@ from gcache.meta.records import (
     NamespaceRecord,
     ObjectRecord,
     ServerRecord,
+    group_layer_bytes,
 )
 from gcache.meta.tiers import Tiers
 from gcache.storage.allocator import SegmentAllocator
+from gcache.storage.columns import Columns
 
 
 @dataclass(slots=True)
@@ -56,9 +65,38 @@ class Parked:
     server: ServerRecord | None = None
     since: float = 0.0
     allocated: bool = False  # its DRAM range is in the allocator (report complete)
+    layer_bytes: tuple[int, ...] = ()  # per-layer lengths when unequal (else ())
 
 
-_BLOCK_ORDER = attrgetter("namespace", "pos")
+_POS = attrgetter("pos")
+
+
+def parked_from(cols: Columns) -> list[Parked]:
+    """The records of a decoded columnar chunk (already in block order)."""
+    out = list(
+        map(
+            Parked,
+            cols.namespace,
+            cols.key,
+            cols.parent,
+            cols.pos,
+            cols.group,
+            cols.tier,
+            cols.offset,
+            cols.length,
+            cols.sums,
+            cols.seq,
+        )
+    )
+    if cols.layer_bytes is not None:
+        for rec, lb in zip(out, cols.layer_bytes, strict=True):
+            rec.layer_bytes = lb
+    return out
+
+
+# While at most this many records wait for a parent, they are retried after every
+# chunk (a few checks); past it only once as many records arrived as wait.
+RETRY_EAGER = 256
 
 
 def recency(now: float, seq: int) -> float:
@@ -70,16 +108,32 @@ def recency(now: float, seq: int) -> float:
 class Rebuild(Tiers):
     # namespace fingerprint -> parked records waiting for it
     parked_ns: dict[bytes, list[Parked]]
-    # (namespace, parent key) -> parked records waiting for that parent block
-    parked_parent: dict[tuple[bytes, bytes], list[Parked]]
+    # namespace fingerprint -> parked records waiting for their parent block, retried
+    # in bulk (_retry_parents); entries no longer in parked_all are stale
+    parked_parent: dict[bytes, list[Parked]]
     # every parked record in arrival order (id -> record): bound and expiry
     parked_all: dict[int, Parked]
+    # records reported since the last retry of parked_parent
+    _since_retry: int = 0
+    # objects of a server adopted while another server's report was adopted (a
+    # parent arrived): added to its own ReportObjectsReply.adopted
+    _credit: dict[str, int] | None = None
 
     def begin_report(self, srv: ServerRecord) -> None:
         """``srv`` will report what it holds: no placement on it until it is done."""
         if srv.reported is None and not srv.objects:
             srv.reported = {}
             self._live = None
+        if self._credit:
+            self._credit.pop(srv.server_id, None)
+
+    def report_columns(
+        self, server_id: str, incarnation: int, cols: Columns, last: bool, now: float
+    ) -> tuple[int, int] | None:
+        """:meth:`report_objects` of a decoded columnar chunk (in block order)."""
+        return self.report_objects(
+            server_id, incarnation, parked_from(cols), last, now, ordered=True
+        )
 
     def report_objects(
         self,
@@ -88,9 +142,12 @@ class Rebuild(Tiers):
         records: list[Parked],
         last: bool,
         now: float,
+        ordered: bool = False,
     ) -> tuple[int, int] | None:
-        """One chunk of a server's report. Returns (adopted, dropped), or None when
-        the server is not registered with this incarnation (it must re-register)."""
+        """One chunk of a server's report (``ordered``: already in block order).
+        Returns (adopted, dropped): adopted counts this server's objects adopted
+        during the call, including those parked earlier; None when the server is not
+        registered with this incarnation (it must re-register)."""
         srv = self.servers.get(server_id)
         if srv is None or not srv.alive or srv.incarnation != incarnation:
             return None
@@ -109,9 +166,10 @@ class Rebuild(Tiers):
                     dropped += 1
             return 0, dropped
         # Parents before children: a chunk is adopted in block order. The common
-        # case (namespace known, parent known, nothing waiting) takes no detour
-        # through the parked books (1M records: see bench/meta_rebuild.py).
-        records.sort(key=_BLOCK_ORDER)
+        # case (namespace known, parent known) takes no detour through the parked
+        # books (1M records: see bench/meta_rebuild.py).
+        if not ordered:
+            records.sort(key=_POS)
         namespaces = self.namespaces
         ns: NamespaceRecord | None = None
         fp = b""
@@ -133,26 +191,71 @@ class Rebuild(Tiers):
             got, lost = self._adopt_known(ns, rec, now)
             adopted += got
             dropped += lost
+        self.counters["objects_adopted"] += adopted
+        self._since_retry += len(records)
+        if self.parked_parent:
+            waiting = self._waiting_parents()
+            if last or waiting <= RETRY_EAGER or self._since_retry >= waiting:
+                self._retry_parents(now)
+        if self._credit:
+            adopted += self._credit.pop(server_id, 0)
         if last and srv.reported is not None:
             self._complete(srv)
-        self.counters["objects_adopted"] += adopted
         self.counters["objects_report_dropped"] += dropped
         return adopted, dropped
 
+    def _waiting_parents(self) -> int:
+        return sum(len(v) for v in self.parked_parent.values())
+
+    def _retry_parents(self, now: float) -> int:
+        """Adopt, in block order, the parked records whose parent block is now in
+        the index (a chain of them in one pass); the rest wait on. Returns the
+        objects adopted (credited to their servers, see ``_credit``)."""
+        self._since_retry = 0
+        pools, self.parked_parent = self.parked_parent, {}
+        parked = self.parked_all
+        credit = self._credit if self._credit is not None else {}
+        n = 0
+        for fp, pool in pools.items():
+            ns = self.namespaces.get(fp)
+            if ns is None:
+                continue
+            entries = ns.entries
+            pool.sort(key=_POS)  # runs of sorted chunks: merged, not re-sorted
+            keep: list[Parked] = []
+            for rec in pool:
+                if id(rec) not in parked:
+                    continue  # expired, dropped or adopted meanwhile
+                parent = entries.get(rec.parent)
+                if parent is None or parent.pos + 1 != rec.pos:
+                    keep.append(rec)
+                    continue
+                self._unpark(rec)
+                srv = rec.server
+                if srv is None or not srv.alive:
+                    continue
+                got = self._adopt_known(ns, rec, now)[0]
+                if got:
+                    n += got
+                    credit[srv.server_id] = credit.get(srv.server_id, 0) + got
+            if keep:
+                waiting = self.parked_parent.setdefault(fp, [])
+                waiting[:0] = keep
+        self._credit = credit
+        self.counters["objects_adopted"] += n
+        return n
+
     def _adopt_known(self, ns: NamespaceRecord, rec: Parked, now: float) -> tuple[int, int]:
         """Adopt a valid record of a known namespace, creating its entry under its
-        parent, then whatever waited for that entry; park it while its parent is
-        unknown. Returns (adopted, dropped)."""
+        parent; park it while its parent is unknown. Returns (adopted, dropped)."""
         entries = ns.entries
         entry = entries.get(rec.key)
-        created = entry is None
         if entry is None:
             parent = None
             if rec.pos:
                 parent = entries.get(rec.parent)
                 if parent is None or parent.pos + 1 != rec.pos:
-                    key = (rec.namespace, rec.parent)
-                    self._park(rec, self.parked_parent.setdefault(key, []))
+                    self._park(rec, self.parked_parent.setdefault(rec.namespace, []))
                     return 0, 0
             groups = len(ns.layout.group_windows)  # num_groups, without the property call
             entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, groups)
@@ -161,16 +264,9 @@ class Rebuild(Tiers):
                 ns.full_holes += 1
             if parent is not None:
                 parent.children += 1
-        adopted = dropped = 0
         if self._adopt(ns, entry, rec, now):
-            adopted = 1
-        else:
-            dropped = 1
-        if created and self.parked_parent:
-            waiting = self.parked_parent.pop((rec.namespace, rec.key), None)
-            if waiting:
-                adopted += self._adopt_waiting(ns, waiting, now)
-        return adopted, dropped
+            return 1, 0
+        return 0, 1
 
     def _invalid(self, srv: ServerRecord, rec: Parked) -> str:
         if len(rec.key) != KEY_SIZE or (rec.parent and len(rec.parent) != KEY_SIZE):
@@ -187,9 +283,6 @@ class Rebuild(Tiers):
             if rec.offset in held or rec.offset in srv.parked:
                 return "a second object at one offset"
         return ""
-
-    def _is_parked(self, rec: Parked) -> bool:
-        return id(rec) in self.parked_all
 
     def _park(self, rec: Parked, where: list[Parked]) -> None:
         where.append(rec)
@@ -229,60 +322,6 @@ class Rebuild(Tiers):
             # range holds no one else's object, the server may drop the record.
             srv.freed.append((rec.offset, rec.length))
 
-    def _adopt_waiting(self, ns: NamespaceRecord, waiting: list[Parked], now: float) -> int:
-        """Adopt parked records whose parent block was just created (and what waited
-        for those). Stale entries (already expired or adopted) are skipped."""
-        n = 0
-        for rec in waiting:
-            if self._is_parked(rec):
-                n += self._adopt_chain(ns, rec, now)
-        return n
-
-    def _adopt_chain(self, ns: NamespaceRecord, first: Parked, now: float) -> int:
-        """Adopt ``first`` and every parked record that was waiting for it (and for
-        those, and so on). Returns the objects adopted."""
-        n = 0
-        stack = [first]
-        parked = self.parked_all
-        while stack:
-            rec = stack.pop()
-            if parked.pop(id(rec), None) is None and rec is not first:
-                continue  # a stale entry of a consumed list
-            srv = rec.server  # (off the parked books, as _unpark does)
-            if srv is None or not srv.alive:
-                continue
-            if rec.tier == 0 and srv.parked.get(rec.offset) is rec:
-                del srv.parked[rec.offset]
-            entry, created = self._entry_for(ns, rec)
-            if entry is None:
-                self._park(rec, self.parked_parent.setdefault((rec.namespace, rec.parent), []))
-                continue
-            if self._adopt(ns, entry, rec, now):
-                n += 1
-            if created:
-                stack.extend(self.parked_parent.pop((rec.namespace, rec.key), ()))
-        return n
-
-    def _entry_for(self, ns: NamespaceRecord, rec: Parked) -> tuple[BlockEntry | None, bool]:
-        """The entry of ``rec``'s block, created under its parent if missing; None
-        while the parent is unknown (entries stay prefix-closed)."""
-        entries = ns.entries
-        entry = entries.get(rec.key)
-        if entry is not None:
-            return entry, False
-        parent = None
-        if rec.parent:
-            parent = entries.get(rec.parent)
-            if parent is None or parent.pos + 1 != rec.pos:
-                return None, False
-        entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, ns.layout.num_groups)
-        self.entries += 1
-        if ns.full_group is not None:
-            ns.full_holes += 1
-        if parent is not None:
-            parent.children += 1
-        return entry, True
-
     def _adopt(self, ns: NamespaceRecord, entry: BlockEntry, rec: Parked, now: float) -> bool:
         srv = rec.server
         assert srv is not None
@@ -292,6 +331,7 @@ class Rebuild(Tiers):
             g >= len(entry.objects)  # num_groups
             or rec.length != layout.group_object_bytes[g]
             or len(rec.sums) != 8 * len(layout.group_layers[g])
+            or (rec.layer_bytes and rec.layer_bytes != group_layer_bytes(layout, g))
         ):
             self.counters["report_invalid"] += 1
             self._release_parked(rec)
@@ -371,7 +411,7 @@ class Rebuild(Tiers):
         waiting = self.parked_ns.pop(ns.fingerprint, None)
         if not waiting:
             return 0
-        waiting.sort(key=_BLOCK_ORDER)
+        waiting.sort(key=_POS)
         n = 0
         parked = self.parked_all
         for rec in waiting:
@@ -383,6 +423,8 @@ class Rebuild(Tiers):
                 continue
             n += self._adopt_known(ns, rec, now)[0]
         self.counters["objects_adopted"] += n
+        if self.parked_parent.get(ns.fingerprint):
+            n += self._retry_parents(now)
         return n
 
     def parked_of(self, server_id: str) -> int:

@@ -8,6 +8,7 @@ group. Counters are maintained incrementally, never by rescanning.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Final
 
 from gcache import wire
@@ -159,6 +160,17 @@ class NamespaceRecord:
             (g, t) for g, t in enumerate(tails) if t is not None
         ]
         self.max_tail = max((t for _, t in self.windowed), default=0)
+
+
+@functools.lru_cache(maxsize=1024)
+def group_layer_bytes(layout: Layout, group: int) -> tuple[int, ...]:
+    """Byte length of each layer (K then V) of ``group``'s object, or () when they
+    are all equal (the server splits an object of n checksums into n equal layers
+    unless its record says otherwise; ``StoredObject.layer_bytes``)."""
+    sizes = tuple(
+        layout.layer_k_bytes[i] + layout.layer_v_bytes[i] for i in layout.group_layers[group]
+    )
+    return sizes if len(set(sizes)) > 1 else ()
 
 
 def kids(obj: ObjectRecord) -> int:

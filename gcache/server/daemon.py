@@ -301,7 +301,9 @@ class StorageServer:
                 if self.tiers is not None:
                     assert self.core is not None
                     self.core.epoch = reply.epoch  # older metas' grants are refused now
-                    await self.tiers.report(stub, self.server_id, self.incarnation, reply.epoch)
+                    await self.tiers.report(
+                        stub, self.server_id, self.incarnation, reply.epoch, reply.report_columns
+                    )
                 return float(reply.heartbeat_interval_s) or self.cfg.heartbeat_interval_s
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _REFUSED:

@@ -36,6 +36,7 @@ import numpy as np
 from gcache._proto import gcache_pb2 as pb
 from gcache.config import ServerConfig
 from gcache.errors import GCacheError
+from gcache.storage import columns as columnsmod
 from gcache.storage import nvme as nvmemod
 from gcache.storage.manifest import Manifest, StoredRecord, read_owner
 from gcache.storage.nvme import NvmeTier
@@ -59,6 +60,7 @@ def _record(o: pb.StoredObject) -> StoredRecord:
         length=o.length,
         sums=o.sums,
         seq=o.seq,
+        layer_bytes=tuple(o.layer_bytes),
     )
 
 
@@ -74,6 +76,7 @@ def _proto(r: StoredRecord) -> pb.StoredObject:
         length=r.length,
         sums=r.sums,
         seq=r.seq,
+        layer_bytes=r.layer_bytes,
     )
 
 
@@ -205,21 +208,29 @@ class TierState:
         req.nvme_write_gbps = self.nvme_write_gbps
         req.objects = len(self.records())
 
-    async def report(self, stub: Any, server_id: str, incarnation: int, epoch: int) -> None:
-        """Stream the manifest (DRAM and NVMe) to the meta after a registration."""
+    async def report(
+        self, stub: Any, server_id: str, incarnation: int, epoch: int, columns: bool = False
+    ) -> None:
+        """Stream the manifest (DRAM and NVMe) to the meta after a registration: in
+        columns (``StoredColumns``) to a meta that takes them
+        (``RegisterServerReply.report_columns``), else as ``StoredObject`` messages."""
         self.epoch = epoch
         recs = self.records()
 
         async def chunks() -> AsyncIterator[pb.ReportObjectsRequest]:
             for i in range(0, max(len(recs), 1), REPORT_CHUNK):
                 part = recs[i : i + REPORT_CHUNK]
-                yield pb.ReportObjectsRequest(
+                req = pb.ReportObjectsRequest(
                     server_id=server_id,
                     incarnation=incarnation,
                     epoch=epoch,
-                    objects=[_proto(r) for r in part],
                     last=i + REPORT_CHUNK >= len(recs),
                 )
+                if columns:
+                    req.columns.CopyFrom(columnsmod.encode(part))
+                else:
+                    req.objects.extend(_proto(r) for r in part)
+                yield req
 
         try:
             reply = await stub.ReportObjects(chunks(), timeout=60.0)

@@ -17,10 +17,11 @@ verifies); recording an object reads none of its bytes. At start every replayed
 record is checked against the segment (:meth:`Manifest.verify`, on a worker thread,
 :data:`VERIFY_BATCH` bytes per call of the shared checksum function,
 :func:`gcache._native.checksums`) and dropped when its bytes differ. The server does
-not know the layout: an object of ``n`` checksums is split into ``n`` equal layers
-(every layer of a layout group has one size in the shipped presets); an object whose
-length does not split evenly, or whose layers differ in size, fails the check and is
-dropped (a miss).
+not know the layout: an object of ``n`` checksums is split into the layer lengths
+its record carries (``layer_bytes``, sent by the meta when a group's layers differ
+in size), else into ``n`` equal layers; a record whose lengths do not add up fails
+the check and is dropped (a miss). Logs of older servers (no ``layer_bytes``) are
+read as before: their objects of unequal layers were never re-adoptable.
 
 The log is compacted (the live records rewritten to a new file, then renamed over
 the old one) when it holds more than twice the live records plus
@@ -64,6 +65,9 @@ class StoredRecord(msgspec.Struct, array_like=True):
     sums: bytes
     seq: int
     digest: int = 0  # unused (logs of older servers carried xxh3_64 of the bytes)
+    # Byte length of each layer when the group's layers differ in size (issue 10);
+    # () when they are equal (logs of older servers never carry it).
+    layer_bytes: tuple[int, ...] = ()
 
 
 class _Entry(msgspec.Struct, array_like=True):
@@ -120,9 +124,10 @@ def read_owner(path: str) -> str | None:
 
 
 def layers(rec: StoredRecord, segment: memoryview) -> list[memoryview] | None:
-    """The object's layers in ``segment`` (``len(sums) / 8`` equal parts), or None
-    when the record cannot be checked (outside the segment, no checksums, a length
-    that does not split evenly)."""
+    """The object's layers in ``segment``: ``rec.layer_bytes`` when the record has
+    them, else ``len(sums) / 8`` equal parts; None when the record cannot be checked
+    (outside the segment, no checksums, layer lengths that do not add up to its
+    length, a length that does not split evenly)."""
     n = len(rec.sums) // 8
     off, length = rec.offset, rec.length
     if (
@@ -130,10 +135,20 @@ def layers(rec: StoredRecord, segment: memoryview) -> list[memoryview] | None:
         or n == 0
         or len(rec.sums) % 8
         or length <= 0
-        or length % n
         or off < 0
         or off + length > len(segment)
     ):
+        return None
+    sizes = rec.layer_bytes
+    if sizes:
+        if len(sizes) != n or sum(sizes) != length or min(sizes) <= 0:
+            return None
+        out = []
+        for size in sizes:
+            out.append(segment[off : off + size])
+            off += size
+        return out
+    if length % n:
         return None
     step = length // n
     return [segment[off + i * step : off + (i + 1) * step] for i in range(n)]

@@ -1,0 +1,134 @@
+"""Columnar ReportObjects chunks (issue 10, meta rebuild): encode/decode round trip,
+block order whatever the server sent, and bad input refused whole with a clear
+error (nothing of the chunk adopted). A real gcache-meta refusing a bad chunk:
+tests/integration/test_report_columns_meta.py."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from gcache import keys
+from gcache._proto import gcache_pb2 as pb
+from gcache.config import MetaConfig
+from gcache.errors import ProtocolError
+from gcache.layout import Layout
+from gcache.meta.core import MetaCore
+from gcache.storage import columns
+from gcache.storage.manifest import StoredRecord
+from tests.kvdata import tiny_hybrid
+from tests.unit.test_meta_tiers import KB, addr
+
+NS_A, NS_B = bytes(range(16)), bytes(range(16, 32))
+
+
+def records(n: int, seed: int = 1) -> list[StoredRecord]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        pos = rng.randrange(100)
+        nsums = rng.choice((1, 2, 5))
+        out.append(
+            StoredRecord(
+                namespace=NS_A if i % 3 else NS_B,
+                key=rng.randbytes(16),
+                parent=rng.randbytes(16) if pos else b"",
+                pos=pos,
+                group=rng.randrange(3),
+                tier=rng.randrange(2),
+                offset=rng.randrange(1 << 40) * 4096,
+                length=rng.randrange(1, 1 << 33),
+                sums=rng.randbytes(8 * nsums),
+                seq=rng.randrange(1 << 60),
+                layer_bytes=tuple(rng.randrange(1, 1 << 20) for _ in range(nsums))
+                if i % 4 == 0
+                else (),
+            )
+        )
+    return out
+
+
+def test_round_trip_in_block_order() -> None:
+    recs = records(500)
+    got = columns.decode(pb.StoredColumns.FromString(columns.encode(recs).SerializeToString()))
+    want = sorted(recs, key=lambda r: r.pos)  # stable: ties keep the sent order
+    assert len(got) == len(want)
+    assert got.pos == [r.pos for r in want]
+    assert got.key == [r.key for r in want]
+    assert got.parent == [r.parent for r in want]
+    assert got.namespace == [r.namespace for r in want]
+    assert got.group == [r.group for r in want]
+    assert got.tier == [r.tier for r in want]
+    assert got.offset == [r.offset for r in want]
+    assert got.length == [r.length for r in want]
+    assert got.sums == [r.sums for r in want]
+    assert got.seq == [r.seq for r in want]
+    assert got.layer_bytes == [r.layer_bytes for r in want]
+
+
+def test_equal_layers_send_no_layer_columns() -> None:
+    recs = [r for r in records(50) if not r.layer_bytes]
+    cols = columns.encode(recs)
+    assert not cols.nlayer_bytes and not cols.layer_bytes
+    assert columns.decode(cols).layer_bytes is None
+    assert len(columns.decode(columns.encode([]))) == 0
+
+
+@pytest.mark.parametrize(
+    ("column", "cut", "words"),
+    [
+        ("keys", 5, "not 16 each"),
+        ("parents", 16, "parents hold"),
+        ("pos", 1, "column pos"),
+        ("group", 1, "column group"),
+        ("offset", 8, "column offset"),
+        ("seq", 3, "column seq"),
+        ("nsums", 2, "column nsums"),
+        ("sums", 8, "sums hold"),
+        ("layer_bytes", 4, "layer_bytes hold"),
+        ("nlayer_bytes", 2, "column nlayer_bytes"),
+    ],
+)
+def test_truncated_or_mismatched_columns_are_refused_whole(
+    column: str, cut: int, words: str
+) -> None:
+    cols = columns.encode(records(40))
+    setattr(cols, column, getattr(cols, column)[:-cut])
+    with pytest.raises(ProtocolError, match=words) as err:
+        columns.decode(cols)
+    assert "\n" not in str(err.value)  # one line for the operator
+
+
+def test_namespace_index_out_of_range_is_refused() -> None:
+    cols = columns.encode(records(10))
+    del cols.namespaces[1:]
+    with pytest.raises(ProtocolError, match="namespace index"):
+        columns.decode(cols)
+
+
+def test_a_refused_chunk_adopts_nothing_and_the_next_good_one_still_does() -> None:
+    """Against MetaCore: the decode error comes before any adoption."""
+    spec = tiny_hybrid()
+    layout = Layout(spec)
+    core = MetaCore(MetaConfig())
+    desc = {"model": "cols", "layout": msgspec.to_builtins(spec)}
+    ns = core.register_namespace(desc, spec)
+    core.register_server(addr(0), bytes(16), 1, 256 * KB, 0.0, report=True)
+    ks = keys.block_keys(ns.fingerprint, list(range(4 * layout.block_size)), layout.block_size)
+    size, nsums = layout.group_object_bytes[0], len(layout.group_layers[0])
+    recs = [
+        StoredRecord(
+            ns.fingerprint, k, ks[i - 1] if i else b"", i, 0, 0, i * 4096, size, bytes(8 * nsums), i
+        )
+        for i, k in enumerate(ks)
+    ]
+    bad = columns.encode(recs[:2])
+    bad.length = bad.length[:-8]
+    with pytest.raises(ProtocolError):
+        core.report_columns("s0", 1, columns.decode(bad), False, 1.0)
+    assert core.stats()["objects"] == 0
+    got = core.report_columns("s0", 1, columns.decode(columns.encode(recs)), True, 1.0)
+    assert got == (len(recs), 0)
+    assert core.stats()["objects"] == len(recs)
