@@ -97,3 +97,146 @@ def test_a_hybrid_model_round_trips_layer_by_layer(
     assert stream.ok
     assert_layers_match(bclient.get(m), kv)
     bclient.release(m)
+
+
+# ---- round two (E): one native call per layer, read-ahead by bytes, layer order ----
+
+NTOK = 64 * 8  # MiMo-V2-Flash, 8 blocks of 64: a full layer is 1.3 MB (a copy-thread job)
+
+
+@pytest.fixture(params=["native", "python"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both kernels of the client's shared-memory read (GCACHE_NATIVE=0 selects the
+    Python one; the client runs in this process, so the switch is the module's)."""
+    import gcache._native as native
+
+    if request.param == "python":
+        monkeypatch.setattr(native, "NATIVE", False)
+    elif not native.NATIVE:
+        pytest.skip("extension not built")
+    return str(request.param)
+
+
+def _mimo(client: GCacheClient) -> tuple[object, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    ns = client.register_namespace(f"native-{uuid.uuid4()}", "mimo-v2-flash", block_size=64)
+    kv = make_kv(ns.layout, NTOK, seed=9)
+    toks = tokens(NTOK, seed=9)
+    assert client.put(ns, toks, kv).ok
+    return ns, toks, kv
+
+
+def test_a_wrong_byte_is_a_miss_on_the_one_call_read_path(
+    deployment: LocalDeployment, kernel: str
+) -> None:
+    """A byte flipped in the last block's part of full layer 5 (a copy-thread job,
+    read by read_layer) makes get and get_layers misses, on both kernels."""
+    c = GCacheClient(deployment.client_config(transport="shm", load_or_recompute=False))
+    try:
+        ns, toks, kv = _mimo(c)
+        m = c.match(ns, toks)  # type: ignore[arg-type]
+        layout = m.namespace.layout
+        g = layout.layer_group[5]
+        off, kb, _ = layout.layer_range(5)
+        loc = m.objects[(m.blocks - 1, g)]
+        shm = {s.server_id: s.shm_path for s in deployment.stats().servers}[
+            m.servers[loc.server].server_id
+        ]
+        at = loc.grant.offset + off + kb + 7  # in V
+        with open(shm, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
+            mm[at] ^= 0x21
+            try:
+                assert c.get(m) is None
+                with c.get_layers(m) as stream:
+                    got = list(stream)
+                assert not stream.ok and [x.layer for x in got] == list(range(5))
+            finally:
+                mm[at] ^= 0x21
+        with c.get_layers(m) as stream:
+            assert_layers_match(list(stream), kv)
+        assert stream.ok
+        c.release(m)
+    finally:
+        c.close()
+
+
+def _guarded(
+    kv: list[tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]], list[slice]]:
+    """Output buffers carved out of one array with 4 KiB of sentinel bytes around each."""
+    guard = 4096
+    sizes = [a.nbytes for kvp in kv for a in kvp]
+    arena = np.full(sum(sizes) + guard * (len(sizes) + 1), 0xA5, np.uint8)
+    out: list[np.ndarray] = []
+    guards = [slice(0, guard)]
+    pos = guard
+    for kvp in kv:
+        for a in kvp:
+            out.append(arena[pos : pos + a.nbytes].view(a.dtype).reshape(a.shape))
+            pos += a.nbytes
+            guards.append(slice(pos, pos + guard))
+            pos += guard
+    return arena, [(out[2 * i], out[2 * i + 1]) for i in range(len(kv))], guards
+
+
+def test_read_ahead_by_bytes_writes_only_into_the_callers_buffers(
+    deployment: LocalDeployment, kernel: str
+) -> None:
+    """With layers_in_flight=1 the stream still reads ahead while the layers in
+    flight fit layer_bytes_in_flight, and every byte it writes lands inside the
+    caller's buffers (the sentinels around each are untouched)."""
+    cfg = deployment.client_config(
+        transport="shm", load_or_recompute=False, layers_in_flight=1,
+        layer_bytes_in_flight=64 << 20,
+    )  # fmt: skip
+    c = GCacheClient(cfg)
+    try:
+        ns, toks, kv = _mimo(c)
+        m = c.match(ns, toks)  # type: ignore[arg-type]
+        layout = m.namespace.layout
+        rows = [c.layer_rows(m, i) for i in range(layout.num_layers)]
+        want = [(k[a : a + n], v[a : a + n]) for (k, v), (a, n) in zip(kv, rows, strict=True)]
+        arena, out, guards = _guarded(want)
+        with c.get_layers(m, out) as stream:
+            first = next(stream)
+            assert first.layer == 0
+            assert stream._stream.started == layout.num_layers  # all 48 fit in 64 MiB
+            rest = [first, *stream]
+        assert stream.ok and len(rest) == layout.num_layers
+        for (k, v), (wk, wv) in zip(out, want, strict=True):
+            assert np.array_equal(k, wk) and np.array_equal(v, wv)
+        assert all((arena[s] == 0xA5).all() for s in guards)
+        c.release(m)
+    finally:
+        c.close()
+
+
+def test_closing_a_stream_stops_its_read_ahead(deployment: LocalDeployment, kernel: str) -> None:
+    """Once close() returns, no read of the stream writes into the caller's
+    buffers: the layers not handed over keep what the caller put there after."""
+    import time
+
+    cfg = deployment.client_config(transport="shm", load_or_recompute=False)
+    c = GCacheClient(cfg)
+    try:
+        ns, toks, kv = _mimo(c)
+        m = c.match(ns, toks)  # type: ignore[arg-type]
+        layout = m.namespace.layout
+        rows = [c.layer_rows(m, i) for i in range(layout.num_layers)]
+        out = [
+            (np.zeros((n, *k.shape[1:]), k.dtype), np.zeros((n, *v.shape[1:]), v.dtype))
+            for (k, v), (_, n) in zip(kv, rows, strict=True)
+        ]
+        stream = c.get_layers(m, out)
+        assert next(stream).layer == 0
+        assert stream._stream.started > 1  # reads were in flight
+        stream.close()
+        assert not stream._stream._tasks
+        for k, v in out[1:]:
+            k.fill(7)
+            v.fill(7)
+        time.sleep(0.3)
+        assert all((k == 7).all() and (v == 7).all() for k, v in out[1:])
+        assert list(stream) == []
+        c.release(m)
+    finally:
+        c.close()

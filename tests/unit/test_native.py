@@ -192,3 +192,103 @@ def test_the_package_api_is_xxh3() -> None:
         == xxhash.xxh3_64(b"abcdef").digest()
     )
     assert bytes(out[0] + out[1]) == b"abcdef"
+
+
+def _layer_case(
+    seed: int, n: int = 40, kb: int = 1536, vb: int = 512, off: int = 256
+) -> dict[str, Any]:
+    """A segment holding ``n`` objects at scattered offsets, the layer's expected
+    sums (layer 1 of 3 per object), and destination rows in a shuffled order."""
+    rng = np.random.default_rng(seed)
+    seg = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    obj = 4096
+    offsets = np.sort(rng.choice(len(seg) // obj, n, replace=False)).astype(np.int64) * obj
+    rows = rng.permutation(n).astype(np.int64)
+    stride, li = 24, 1
+    sums = bytearray(n * stride)
+    for r, o in enumerate(offsets.tolist()):
+        a = o + off
+        sums[r * stride + 8 * li : r * stride + 8 * li + 8] = xxhash.xxh3_64(
+            seg[a : a + kb + vb].tobytes()
+        ).digest()
+    return dict(seg=seg, offsets=offsets, rows=rows, sums=bytes(sums), stride=stride, li=li,
+                off=off, kb=kb, vb=vb, n=n)  # fmt: skip
+
+
+def _read_layer(impl: Any, c: dict[str, Any], kd: np.ndarray, vd: np.ndarray, **kw: Any) -> int:
+    a = {**c, **kw}
+    return int(
+        impl.read_layer(
+            a["seg"],
+            kd,
+            vd,
+            a["offsets"],
+            a["rows"],
+            a["sums"],
+            a["stride"],
+            a["li"],
+            a["off"],
+            a["kb"],
+            a["vb"],
+        )
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_read_layer_copies_every_block_to_its_row_and_verifies_it(impl: Any) -> None:
+    c = _layer_case(1)
+    kd, vd = np.zeros(c["n"] * c["kb"], np.uint8), np.zeros(c["n"] * c["vb"], np.uint8)
+    assert _read_layer(impl, c, kd, vd) == -1
+    kb, vb, off = c["kb"], c["vb"], c["off"]
+    for o, row in zip(c["offsets"].tolist(), c["rows"].tolist(), strict=True):
+        assert np.array_equal(kd[row * kb : (row + 1) * kb], c["seg"][o + off : o + off + kb])
+        assert np.array_equal(
+            vd[row * vb : (row + 1) * vb], c["seg"][o + off + kb : o + off + kb + vb]
+        )
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_read_layer_reports_the_first_block_with_a_wrong_byte(impl: Any, where: str) -> None:
+    c = _layer_case(2)
+    seg = c["seg"].copy()
+    o = int(c["offsets"][17]) + c["off"] + (3 if where == "k" else c["kb"] + 5)
+    seg[o] ^= 0x40  # block 17's K or V
+    kd, vd = np.zeros(c["n"] * c["kb"], np.uint8), np.zeros(c["n"] * c["vb"], np.uint8)
+    assert _read_layer(impl, c, kd, vd, seg=seg) == 17
+
+
+@pytest.mark.skipif(_dataplane is None, reason="extension not built")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_layer_split_across_threads_keeps_every_digest(threads: int) -> None:
+    """Blocks of 1.5 MiB, 12 of them: the kernel's threads cut blocks in the middle."""
+    assert _dataplane is not None
+    rng = np.random.default_rng(threads)
+    n, kb, vb = 12, 1 << 20, 512 << 10
+    seg = rng.integers(0, 256, n * (kb + vb) + 4096, dtype=np.uint8)
+    offsets = np.arange(n, dtype=np.int64) * (kb + vb) + 4096
+    rows = np.arange(n, dtype=np.int64)[::-1].copy()
+    sums = b"".join(xxhash.xxh3_64(seg[o : o + kb + vb].tobytes()).digest() for o in offsets)
+    kd, vd = np.zeros(n * kb, np.uint8), np.zeros(n * vb, np.uint8)
+    got = _dataplane.read_layer(seg, kd, vd, offsets, rows, sums, 8, 0, 0, kb, vb, threads)
+    assert got == -1
+    assert np.array_equal(kd[(n - 1) * kb :], seg[4096 : 4096 + kb])
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_read_layer_refuses_ranges_outside_its_buffers_before_moving_a_byte(impl: Any) -> None:
+    c = _layer_case(3)
+    kd, vd = np.zeros(c["n"] * c["kb"], np.uint8), np.zeros(c["n"] * c["vb"], np.uint8)
+    last = c["offsets"].copy()
+    last[-1] = len(c["seg"]) - c["off"] - c["kb"] - c["vb"] + 1  # one byte past the segment
+    with pytest.raises(ValueError):
+        _read_layer(impl, c, kd, vd, offsets=last)
+    rows = c["rows"].copy()
+    rows[-1] = c["n"]  # one row past the destination
+    with pytest.raises(ValueError):
+        _read_layer(impl, c, kd, vd, rows=rows)
+    with pytest.raises(ValueError):
+        _read_layer(impl, c, kd, vd, rows=c["rows"][:-1])  # not one row per offset
+    with pytest.raises(ValueError):
+        _read_layer(impl, c, kd, vd, sums=c["sums"][:-1])  # a short checksum table
+    assert not kd.any() and not vd.any()
