@@ -87,12 +87,15 @@ class _Pending:
 class PipelinedConn:
     __slots__ = (
         "_closed",
+        "_flush_due",
+        "_flusher",
         "_ids",
         "_owed",
         "_pending",
         "_reader",
         "_send_lock",
         "abandoned",
+        "flushes",
         "name",
         "stream",
     )
@@ -106,6 +109,9 @@ class PipelinedConn:
         self.abandoned = 0  # requests abandoned so far (stats)
         self._ids = itertools.count(1)
         self._closed: BaseException | None = None
+        self._flush_due = False  # a _flush is scheduled for this loop pass
+        self._flusher: asyncio.Task[None] | None = None
+        self.flushes = 0  # sendmsg batches of coalesced frames (stats)
         self._reader = asyncio.create_task(self._read_loop())
 
     @classmethod
@@ -129,17 +135,31 @@ class PipelinedConn:
             if isinstance(self._closed, Busy):  # the daemon refused this connection
                 raise Busy(self._closed.code, self._closed.message)
             raise ConnectionLost(f"connection to {self.name} is down: {self._closed}")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         p: _Pending | None = None
         sent = False
         try:
             async with asyncio.timeout(timeout):
-                async with self._send_lock:
-                    # 1 .. 2**32 - 1: request id 0 is the daemon's, for refusals.
+                if payload:
+                    async with self._send_lock:
+                        # 1 .. 2**32 - 1: request id 0 is the daemon's, for refusals.
+                        p = _Pending(next(self._ids) % 0xFFFFFFFF + 1, fut, dest)
+                        self._pending.append(p)
+                        await self.stream.send_msg(msg, p.req_id, payload)
+                        sent = True
+                else:
+                    # Coalesced: frames without payload queued in this loop pass go
+                    # out together in one sendmsg at its end (_flush). A queued
+                    # frame is the stream's: it goes out whole, or the connection
+                    # fails, so the caller may give up on it like on a sent one.
                     p = _Pending(next(self._ids) % 0xFFFFFFFF + 1, fut, dest)
                     self._pending.append(p)
-                    await self.stream.send_msg(msg, p.req_id, payload)
+                    self.stream.queue_msg(msg, p.req_id)
                     sent = True
+                    if not self._flush_due:
+                        self._flush_due = True
+                        loop.call_soon(self._flush)
                 return await fut
         except TimeoutError as exc:
             self._abandon(p, sent, f"no reply within {timeout}s")
@@ -158,6 +178,42 @@ class PipelinedConn:
                     raise said from exc
             self.close(exc)
             raise ConnectionLost(f"{self.name}: {exc}") from exc
+
+    def _flush(self) -> None:
+        """End of the loop pass that queued frames: send them in one ``sendmsg``;
+        a full socket, or a payload send under way, leaves it to a task."""
+        self._flush_due = False
+        if self._closed is not None:
+            return
+        if not self._send_lock.locked():
+            try:
+                if self.stream.try_flush():
+                    self.flushes += 1
+                    return
+            except (ConnectionLost, ClosedError) as exc:
+                self._send_failed(exc)
+                return
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_slow())
+
+    async def _flush_slow(self) -> None:
+        stream = self.stream
+        try:
+            async with self._send_lock:
+                while stream.queued:  # frames queued while this one waited for room
+                    await stream.flush()
+                    self.flushes += 1
+        except (ConnectionLost, ClosedError) as exc:
+            self._send_failed(exc)
+
+    def _send_failed(self, exc: BaseException) -> None:
+        """Queued frames could not go out: the peer is gone. What it said before
+        going (a refusal at its connection limits) may still wait in the socket for
+        the reader, which then fails every call with it; else the calls fail as
+        a lost connection after a short grace."""
+        if self._closed is None:
+            reason = ConnectionLost(f"{self.name}: {exc}")
+            asyncio.get_running_loop().call_later(_SEND_FAILED_GRACE_S, self.close, reason)
 
     def _abandon(self, p: _Pending | None, sent: bool, why: str) -> None:
         """The caller gave up on ``p``: have its reply drained, not delivered. The

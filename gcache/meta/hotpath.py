@@ -18,6 +18,7 @@ from gcache.errors import (
     GCacheError,
     InvalidBody,
     ProtocolError,
+    PutWait,
     Refusal,
     SendTimeout,
 )
@@ -33,6 +34,13 @@ from gcache.transport.limits import (
 from gcache.transport.stream import BodyCheck, FrameStream
 
 log = logging.getLogger("gcache.meta.hotpath")
+# How often a put waiting for room checks for finished demotions (issue 10).
+PUT_WAIT_POLL_S = 0.002
+
+# Replies to requests already buffered whole wait for each other (one sendmsg) up
+# to these bounds.
+REPLY_BATCH = 64
+REPLY_BATCH_BYTES = 256 << 10
 
 
 def hello(auth: Authenticator | None, session: Session, msg: wire.Hello) -> wire.Ok:
@@ -59,10 +67,12 @@ def dispatch(
     msg_type: int,
     msg: Any,
     auth: Authenticator | None = None,
+    wait: bool = False,
 ) -> wire.Msg:
     """Run one decoded request of ``session`` against the core; returns the reply body.
     With tenant tokens (``auth.tenants``) only ``PING`` and ``HELLO`` are served
-    before the session authenticated."""
+    before the session authenticated. ``wait``: a ``PutBegin`` that finds DRAM full
+    while demotions in flight will make room raises ``PutWait``."""
     if msg_type == wire.T_HELLO:
         return hello(auth, session, msg)
     if (
@@ -78,7 +88,7 @@ def dispatch(
             core.release(lease_id, session)
         return core.lookup(msg, now, wall, session)
     if msg_type == wire.T_PUT_BEGIN:
-        return core.put_begin(msg, now, wall, session)
+        return core.put_begin(msg, now, wall, session, wait)
     if msg_type == wire.T_PUT_COMMIT:
         return wire.Ok(core.put_commit(msg, now, session))
     if msg_type == wire.T_PUT_ABORT:
@@ -115,6 +125,8 @@ class HotPathServer:
         self.auth = auth
         self.connections: set[asyncio.Task[None]] = set()
         self.protocol_errors = 0
+        self.replies = 0
+        self.reply_batches = 0  # sendmsg calls that carried replies (stats)
         cfg = core.cfg
         self.max_body = cfg.max_body_bytes
         self.send_timeout = cfg.send_timeout_s
@@ -130,6 +142,8 @@ class HotPathServer:
         return {
             **self.limiter.stats(),
             "protocol_errors": self.protocol_errors,
+            "replies": self.replies,
+            "reply_batches": self.reply_batches,
             **self.bad_frame_log.stats("bad_frames"),
             **self.refused_log.stats("refused_connections"),
         }
@@ -141,6 +155,8 @@ class HotPathServer:
         core = self.core
         check_body = self.check_body
         session = Session(peer=str(stream.peer))
+        wait = core.cfg.put_wait_s > 0  # a put may wait for room (issue 10)
+        waiting = 0  # replies queued, not sent yet
         try:
             while True:
                 if conn is not None:
@@ -154,21 +170,38 @@ class HotPathServer:
                         conn.idle_since = None  # in flight until answered
                 except InvalidBody as exc:  # the frame was read whole: answer, go on
                     core.counters["refused"] += 1
-                    await stream.send_msg(wire.Error(E_BAD_REQUEST, str(exc)), head.req_id)
-                    continue
-                try:
-                    reply = dispatch(core, session, head.msg_type, msg, self.auth)
-                except Refusal as r:
-                    core.counters["refused"] += 1
-                    reply = wire.Error(r.code, r.message)
-                except Exception as exc:  # a bug must not take the meta down
-                    log.exception("internal error handling message type %d", head.msg_type)
-                    reply = wire.Error(E_INTERNAL, f"internal error: {exc!r}")
-                await stream.send_msg(reply, head.req_id)
-                # Drop the request and reply (131072 decoded keys, a reply of as many
-                # grants) now, not when the next request arrives: an idle
-                # connection holds nothing of its last request.
-                del msg, reply
+                    reply: wire.Msg = wire.Error(E_BAD_REQUEST, str(exc))
+                else:
+                    try:
+                        try:
+                            reply = dispatch(core, session, head.msg_type, msg, self.auth, wait)
+                        except PutWait:
+                            reply = await self._put_when_room(session, msg)
+                    except Refusal as r:
+                        core.counters["refused"] += 1
+                        reply = wire.Error(r.code, r.message)
+                    except Exception as exc:  # a bug must not take the meta down
+                        log.exception("internal error handling message type %d", head.msg_type)
+                        reply = wire.Error(E_INTERNAL, f"internal error: {exc!r}")
+                    # Drop the request (131072 decoded keys) now, not when the next
+                    # one arrives: an idle connection holds nothing of its last one.
+                    del msg
+                # Requests a client pipelined arrive together: answer every one already
+                # buffered whole, then send the replies in one sendmsg (one wakeup of
+                # the client, not one per reply). Bounded: at most REPLY_BATCH
+                # replies or REPLY_BATCH_BYTES wait, and never across a receive.
+                stream.queue_msg(reply, head.req_id)
+                del reply
+                waiting += 1
+                self.replies += 1
+                if (
+                    waiting >= REPLY_BATCH
+                    or stream.queued >= REPLY_BATCH_BYTES
+                    or not stream.frame_ready
+                ):
+                    waiting = 0
+                    self.reply_batches += 1
+                    await stream.flush()
         except ProtocolError as exc:
             self.protocol_errors += 1
             core.counters["protocol_errors"] += 1
@@ -187,6 +220,25 @@ class HotPathServer:
             stream.close()
             if conn is not None:
                 self.limiter.release(conn)
+
+    async def _put_when_room(self, session: Session, msg: Any) -> wire.Msg:
+        """A ``PutBegin`` told to wait (``PutWait``: DRAM full, demotions in flight
+        will free it): place it again each time servers report finished demotions
+        (``core.room_gen``), for at most ``meta.put_wait_s``; the last try evicts as
+        a put always did. The connection's next request waits meanwhile
+        (backpressure on that client only)."""
+        core = self.core
+        core.counters["puts_waited"] += 1
+        deadline = time.monotonic() + core.cfg.put_wait_s
+        while True:
+            gen = core.room_gen
+            while core.room_gen == gen and time.monotonic() < deadline:
+                await asyncio.sleep(PUT_WAIT_POLL_S)
+            last = time.monotonic() >= deadline
+            try:
+                return dispatch(core, session, wire.T_PUT_BEGIN, msg, self.auth, not last)
+            except PutWait:
+                continue
 
     async def accept_loop(self) -> None:
         """Accept, admit through the connection limits, serve (``accept_admitted``)."""

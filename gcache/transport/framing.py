@@ -13,6 +13,7 @@ sent), and shrinks back to the read-ahead size once a large frame is consumed.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import Final, TypeGuard
 
@@ -26,6 +27,8 @@ IOV_BATCH: Final = 512
 READ_AHEAD: Final = 16 << 10
 
 Buffer = memoryview | bytes | bytearray
+# body length (u32) and payload length (u64) at offset 12 of a header (wire.HEADER)
+_LENGTHS: Final = struct.Struct("!IQ")
 
 
 class ReceiveBuffer:
@@ -162,6 +165,17 @@ class FrameParser:
             )
         self.need = head.body_len
         return head
+
+    def frame_ready(self) -> bool:
+        """Between frames: is the next frame, header and body, buffered whole, and
+        without payload? (Its header is not validated here; ``next_head`` does.)"""
+        buf = self.buffer
+        have = len(buf)
+        if have < wire.HEADER_SIZE:
+            return False
+        with buf.peek(wire.HEADER_SIZE) as raw:
+            body_len, payload_len = _LENGTHS.unpack_from(raw, 12)
+        return bool(payload_len == 0 and have >= wire.HEADER_SIZE + body_len)
 
     def next_body(self, head: wire.FrameHead) -> memoryview | None:
         """The raw body of ``head`` (valid until the next receive), or ``None``

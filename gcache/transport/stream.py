@@ -57,6 +57,8 @@ class FrameStream:
         "_closed",
         "_encoder",
         "_loop",
+        "_out",
+        "_out_bytes",
         "_parser",
         "_reading",
         "_waiter",
@@ -96,6 +98,10 @@ class FrameStream:
         self._waiter: asyncio.Future[None] | None = None
         self._wwaiter: asyncio.Future[None] | None = None
         self._encoder = wire.FrameEncoder()
+        # Frames queued by queue_msg, sent ahead of the next send (one sendmsg for
+        # all of them); after a partial try_flush, the views still to send.
+        self._out: list[Buffer] = []
+        self._out_bytes = 0
         self._closed = False
         self.send_timeout = send_timeout
         try:
@@ -123,6 +129,17 @@ class FrameStream:
     def buffered(self) -> int:
         """Bytes received and not yet consumed."""
         return len(self._parser.buffer)
+
+    @property
+    def frame_ready(self) -> bool:
+        """A whole frame without payload (header and body) is already buffered: the
+        next ``recv_frame`` needs no syscall (a daemon answers it before flushing)."""
+        return self._parser.frame_ready()
+
+    @property
+    def queued(self) -> int:
+        """Bytes of queued frames not sent yet (see :meth:`queue_msg`)."""
+        return self._out_bytes
 
     @property
     def buffer_capacity(self) -> int:
@@ -306,9 +323,51 @@ class FrameStream:
             payload_len = sum(len(p) for p in payload)
         head = self._encoder.encode(msg, req_id, payload_len)
         try:
-            await self.send_views([head, *payload])
+            await self.send_views([*self._take_out(), head, *payload])
         finally:
             head.release()
+
+    def queue_msg(self, msg: wire.Msg, req_id: int = 0) -> None:
+        """Queue one frame without payload (an owned copy of its header and body,
+        tens of bytes): it goes out with the next :meth:`flush`, :meth:`try_flush`
+        or ``send_*`` call, ahead of that call's own frame, in one ``sendmsg``.
+        The caller bounds what it queues (:attr:`queued`)."""
+        if self._closed:
+            raise ClosedError("stream closed")
+        frame = self._encoder.encode_bytes(msg, req_id)
+        self._out.append(frame)
+        self._out_bytes += len(frame)
+
+    def _take_out(self) -> list[Buffer]:
+        out = self._out
+        if out:
+            self._out = []
+            self._out_bytes = 0
+        return out
+
+    def try_flush(self) -> bool:
+        """Send the queued frames without waiting; True when all went out. What the
+        socket did not take stays queued, first in line (a frame is never cut
+        short by a later one). Raises like :meth:`send_views`."""
+        if not self._out:
+            return True
+        if self._closed:
+            raise ClosedError("stream closed")
+        views = self._take_out()
+        try:
+            rest = send_some(self.sock.sendmsg, as_bytes_views(views))
+        except OSError as exc:
+            raise self._send_error(exc) from exc
+        if rest:
+            self._out = list(rest)
+            self._out_bytes = sum(v.nbytes for v in rest)
+            return False
+        return True
+
+    async def flush(self) -> None:
+        """Send every queued frame (waiting for room as :meth:`send_views` does)."""
+        if self._out:
+            await self.send_views(self._take_out())
 
     async def send_msg_batches(
         self,
@@ -324,7 +383,7 @@ class FrameStream:
         it = iter(batches)
         head = self._encoder.encode(msg, req_id, payload_len)
         try:
-            await self.send_views([head, *next(it, ())])
+            await self.send_views([*self._take_out(), head, *next(it, ())])
         finally:
             head.release()
         for batch in it:

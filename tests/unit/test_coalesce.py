@@ -1,0 +1,131 @@
+"""Coalesced frames (issue 12, round two), without daemons: the parser tells a
+whole buffered frame from a partial one, queued frames go out ahead of the next
+send in one ``sendmsg`` and in order (also after a partial send), and lease ids
+come from a batched CSPRNG draw."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from gcache import wire
+from gcache.meta.leases import IdSource
+from gcache.transport.framing import FrameParser
+from gcache.transport.stream import FrameStream
+
+
+def test_frame_ready_only_for_a_whole_frame_without_payload() -> None:
+    p = FrameParser()
+    ping = wire.pack_frame(wire.Ping(), 7)
+    assert not p.frame_ready()
+    p.feed(ping[:10])
+    assert not p.frame_ready()  # part of a header
+    p.feed(ping[10:])
+    assert p.frame_ready()
+    head = p.next_head()
+    assert head is not None and p.next_body(head) is not None
+    assert not p.frame_ready()
+    ok = wire.pack_frame(wire.Ok(123456), 8)
+    p.feed(ok[:-1])
+    assert not p.frame_ready()  # the body is not all here
+    p.feed(ok[-1:])
+    assert p.frame_ready()
+    p2 = FrameParser()
+    p2.feed(wire.pack_frame(wire.Write(wire.Grant(0, 4, 0, b"t" * 8)), 9, payload_len=4))
+    assert not p2.frame_ready()  # a payload follows: not a frame the meta answers alone
+
+
+def _frames(data: bytes) -> list[tuple[int, int, int]]:
+    p = FrameParser()
+    p.feed(data)
+    out = []
+    while (head := p.next_head()) is not None:
+        body = p.next_body(head)
+        assert body is not None
+        out.append((head.msg_type, head.req_id, head.payload_len))
+        if head.payload_len:
+            with p.buffer.take(head.payload_len):
+                pass
+    return out
+
+
+def test_queued_frames_go_out_first_in_one_send_and_in_order() -> None:
+    async def run() -> tuple[bytes, int]:
+        a, b = socket.socketpair()
+        stream = FrameStream(a)
+        try:
+            for i in range(1, 4):
+                stream.queue_msg(wire.Ping(), i)
+            assert stream.queued == 3 * len(wire.pack_frame(wire.Ping(), 1))
+            write = wire.Write(wire.Grant(0, 3, 0, b"t" * 8))
+            await stream.send_msg(write, 4, [b"xyz"])  # queued ones first
+            assert stream.queued == 0
+            stream.queue_msg(wire.Ping(), 5)
+            assert stream.try_flush() and stream.queued == 0
+            await stream.flush()  # nothing left: no send
+            b.setblocking(False)
+            data = b.recv(1 << 16)
+            return data, len(data)
+        finally:
+            stream.close()
+            b.close()
+
+    data, _ = asyncio.run(run())
+    assert _frames(data) == [
+        (wire.T_PING, 1, 0),
+        (wire.T_PING, 2, 0),
+        (wire.T_PING, 3, 0),
+        (wire.T_WRITE, 4, 3),
+        (wire.T_PING, 5, 0),
+    ]
+
+
+def test_a_partial_flush_keeps_the_rest_first_in_line() -> None:
+    async def run() -> bytes:
+        a, b = socket.socketpair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stream = FrameStream(a)
+        # FrameStream asks for large buffers on TCP only; a socketpair keeps these.
+        got = bytearray()
+        try:
+            n = 0
+            while stream.try_flush():  # fill the socket until a flush is partial
+                n += 1
+                stream.queue_msg(wire.Error(1, "x" * 1000), n)
+                assert n < 10000
+            left = stream.queued
+            assert left > 0
+            stream.queue_msg(wire.Ping(), n + 1)  # behind what is left
+            assert stream.queued > left
+            b.setblocking(False)
+
+            async def drain() -> None:
+                loop = asyncio.get_running_loop()
+                while True:
+                    chunk = await loop.sock_recv(b, 1 << 16)
+                    if not chunk:
+                        return
+                    got.extend(chunk)
+
+            reader = asyncio.create_task(drain())
+            await stream.flush()
+            assert stream.queued == 0
+            stream.close()
+            await asyncio.wait_for(reader, 5.0)
+            return bytes(got)
+        finally:
+            stream.close()
+            b.close()
+
+    frames = _frames(asyncio.run(run()))
+    ids = [rid for _, rid, _ in frames]
+    assert ids == list(range(1, len(ids) + 1)) and frames[-1][0] == wire.T_PING
+
+
+def test_lease_ids_are_random_nonzero_and_skip_taken_ones() -> None:
+    src = IdSource()
+    seen = {src.next(()) for _ in range(2000)}  # four draws of the kernel's CSPRNG
+    assert len(seen) == 2000 and 0 not in seen and max(seen) >= 1 << 60
+    taken = set(seen)
+    assert src.next(taken) not in taken
