@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from gcache_client.vllm_events import SchedulerEvents
 from gcache_client.vllm_meta import (
     MEDIUM,
     GCacheConnectorMetadata,
@@ -87,9 +88,13 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = bridge_config(vllm_config)
         lmap = layer_map(kv_cache_config, vllm_config.model_config.dtype)
+        self._events: SchedulerEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched: _Scheduler | None = _Scheduler(cfg, lmap, model_id(vllm_config))
             self._work: _Worker | None = None
+            kve = vllm_config.kv_events_config
+            publishing = kve is not None and bool(kve.enable_kv_cache_events)
+            self._events = SchedulerEvents(cfg, lmap, self._sched.bridge, watch=publishing)
         else:
             self._sched = None
             self._work = _Worker(cfg, lmap, model_id(vllm_config))
@@ -115,6 +120,9 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None and connector_output.failed_recving:
             self._sched.load_failed(set(connector_output.failed_recving))
+        kv_events = connector_output.kv_cache_events
+        if self._events is not None and kv_events is not None:
+            self._events.worker_events(kv_events.get_all_events())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -133,7 +141,8 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return False, None  # the worker copied what it stores: free the blocks now
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return ()
+        """The workers' GCACHE ``BlockStored`` and GCache's removals (vllm_events)."""
+        return self._events.take() if self._events is not None else ()
 
     # -- worker side --
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -200,7 +209,7 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return GCacheKVEvents(events) if events else None
 
     def shutdown(self) -> None:
-        for part in (self._sched, self._work):
+        for part in (self._events, self._sched, self._work):
             if part is not None:
                 part.close()
 

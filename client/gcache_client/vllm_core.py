@@ -61,6 +61,11 @@ class BridgeConfig:
     # request, so vLLM recomputes it with any number of KV cache groups.
     load_mode: str = "layerwise"
     max_async_loads: int = 64  # async loads queued per worker before a step waits
+    # KV events (with vLLM's --kv-events-config): report blocks GCache removed as
+    # BlockRemoved(medium="GCACHE") (follows the meta's WatchRemovals stream), for
+    # at most max_reported_blocks announced blocks (past it the oldest is retracted).
+    report_removals: bool = True
+    max_reported_blocks: int = 1 << 20
     client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
 
     def check(self) -> None:
@@ -72,6 +77,10 @@ class BridgeConfig:
             raise ConfigError(f"max_pending_stores must be >= 1, got {self.max_pending_stores}")
         if self.max_namespaces < 1:
             raise ConfigError(f"max_namespaces must be >= 1, got {self.max_namespaces}")
+        if self.max_reported_blocks < 1:
+            raise ConfigError(
+                f"max_reported_blocks must be >= 1, got {self.max_reported_blocks}"
+            )
         self.client.check()
 
     @classmethod
@@ -169,6 +178,11 @@ class KVBridge:
             while len(self._ns) > self.config.max_namespaces:
                 self._ns.popitem(last=False)
         return ns
+
+    def namespaces(self) -> list[Namespace]:
+        """The namespaces registered so far (most recently used last)."""
+        with self._lock:
+            return list(self._ns.values())
 
     # ---- scheduler side ------------------------------------------------------------
 

@@ -19,6 +19,13 @@ without parent, else from the key it gave the parent (the parent's engine hash
 must be known). Extra keys and LoRA names are mixed in per block as
 :func:`block_extra` bytes; a client routing such prompts keys them the same way.
 
+Medium ``GCACHE`` (a GCache connector's events, issue 13): the blocks are in the
+GCache pool, which every instance can load from, not in the sending instance's
+memory. With a pool index (``EventIngestor(pool=...)``) they go there, under the
+sending instance (each engine retracts what it announced); any other medium is the
+instance's own memory. ``AllBlocksCleared`` (vLLM clearing its own cache) leaves
+the pool index alone; a sequence gap or restart resets both.
+
 Every event is checked before it changes anything; a bad one is rejected with a
 reason (:class:`Outcome`) and the rest of its batch still applies. A batch that
 does not decode, from an unknown instance, or numbered before the last one applied
@@ -38,6 +45,8 @@ from gcache.router.index import FleetIndex, Instance
 
 EngineHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | int
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+
+MEDIUM_GCACHE: Final = "GCACHE"
 
 # Kinds of vLLM KV-cache groups (KVCacheSpecKind) served by full attention.
 FULL_KINDS: Final = frozenset(
@@ -173,10 +182,17 @@ class Outcome:
 class EventIngestor:
     """Applies decoded KV event batches of named instances to a :class:`FleetIndex`."""
 
-    def __init__(self, index: FleetIndex, namespace_fp: bytes, max_rejects: int = 8) -> None:
+    def __init__(
+        self,
+        index: FleetIndex,
+        namespace_fp: bytes,
+        max_rejects: int = 8,
+        pool: FleetIndex | None = None,
+    ) -> None:
         if len(namespace_fp) != keymod.KEY_SIZE:
             raise ValueError(f"namespace fingerprint must be {keymod.KEY_SIZE} bytes")
         self.index = index
+        self.pool = pool  # GCACHE-medium blocks, per announcing instance (module text)
         self.fp = namespace_fp
         self.max_rejects = max_rejects
         self.batches = 0
@@ -222,19 +238,29 @@ class EventIngestor:
                 else f"publisher restarted (sequence {inst.seq} then 0)"
             )
             self.index.reset(inst)
+            pinst = self.pool.get(instance) if self.pool is not None else None
+            if pinst is not None and self.pool is not None:
+                self.pool.reset(pinst)
         inst.seq = seq
         inst.last_seen = max(inst.last_seen, now)
         self.batches += 1
         for ev in events:
             self.events += 1
+            index, target = self.index, inst
+            if (
+                not isinstance(ev, AllBlocksCleared)
+                and ev.medium == MEDIUM_GCACHE
+                and self.pool is not None
+            ):
+                index, target = self.pool, self.pool.register(instance, now)
             if isinstance(ev, BlockStored):
-                self._stored(inst, ev, out)
+                self._stored(target, ev, out, index)
             elif isinstance(ev, BlockRemoved):
-                mask = self._remove_mask(inst, ev.group_idx)
+                mask = self._remove_mask(target, ev.group_idx, index)
                 if isinstance(mask, str):
                     self._reject(out, "group", "BlockRemoved", mask)
                     continue
-                self.index.remove(inst, ev.block_hashes, mask)
+                index.remove(target, ev.block_hashes, mask)
                 out.applied += 1
             else:
                 self.index.reset(inst)
@@ -244,7 +270,7 @@ class EventIngestor:
     # ---- per event -----------------------------------------------------------------
 
     def _store_mask(self, inst: Instance, ev: BlockStored) -> int | str:
-        layout = self.index.layout
+        layout = self.index.layout  # the pool index has the same layout
         kind = ev.kv_cache_spec_kind
         if kind is None:
             if ev.group_idx is None:
@@ -275,18 +301,18 @@ class EventIngestor:
             inst.engine_groups[ev.group_idx] = mask
         return mask
 
-    def _remove_mask(self, inst: Instance, group_idx: int | None) -> int | str:
+    def _remove_mask(self, inst: Instance, group_idx: int | None, index: FleetIndex) -> int | str:
         if group_idx is None:
-            return self.index.all_groups
+            return index.all_groups
         known = inst.engine_groups.get(group_idx)
         if known is not None:
             return known
-        if self.index.layout.num_groups == 1:
+        if index.layout.num_groups == 1:
             return 1
         return f"group {group_idx} was never stored"
 
-    def _stored(self, inst: Instance, ev: BlockStored, out: Outcome) -> None:
-        bs = self.index.layout.block_size
+    def _stored(self, inst: Instance, ev: BlockStored, out: Outcome, index: FleetIndex) -> None:
+        bs = index.layout.block_size
         n = len(ev.block_hashes)
         if ev.block_size != bs:
             reason = f"block_size {ev.block_size}, the layout's is {bs}"
@@ -330,7 +356,7 @@ class EventIngestor:
             extra_keys = ev.extra_keys or [None] * n
             extras = [block_extra(lora, e) for e in extra_keys]
         gkeys = keymod.block_keys(prev, ev.token_ids, bs, extras)
-        self.index.store(inst, ev.block_hashes, gkeys, mask)
+        index.store(inst, ev.block_hashes, gkeys, mask)
         out.applied += 1
         out.blocks += n
         self.blocks += n

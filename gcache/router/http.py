@@ -145,6 +145,20 @@ class _CoreCollector:
         for k, v in core.index.counters.items():
             idx.add_metric([k], v)
         yield idx
+        pidx = CounterMetricFamily(
+            "gcache_router_pool_index",
+            "GCache pool blocks announced by KV events (medium GCACHE)",
+            labels=["what"],
+        )
+        for k, v in core.pool_index.counters.items():
+            pidx.add_metric([k], v)
+        yield pidx
+        g_pool = GaugeMetricFamily(
+            "gcache_router_pool_blocks", "GCACHE blocks announced", labels=["instance"]
+        )
+        for inst in core.pool_index.instances.values():
+            g_pool.add_metric([inst.name], len(inst.blocks))
+        yield g_pool
         r = CounterMetricFamily("gcache_router_decisions", "routing decisions", labels=["reason"])
         for reason, n in core.by_reason.items():
             r.add_metric([reason], n)

@@ -127,7 +127,16 @@ class RouterCore:
             ttl_s=cfg.instance_ttl_s,
             forget_s=cfg.instance_forget_s,
         )
-        self.ingestor = EventIngestor(self.index, self.fp)
+        # Blocks engines announced in the GCache pool (KV events with medium GCACHE,
+        # issue 13): the pool match when no meta is configured for it.
+        self.pool_index = FleetIndex(
+            self.layout,
+            max_instances=cfg.max_instances,
+            max_blocks=cfg.max_blocks_per_instance,
+            ttl_s=cfg.instance_forget_s,
+            forget_s=cfg.instance_forget_s,
+        )
+        self.ingestor = EventIngestor(self.index, self.fp, pool=self.pool_index)
         self.policy = policy if policy is not None else make_router_policy(cfg)
         self.static = parse_instances(cfg.instances)
         for s in self.static:
@@ -155,6 +164,8 @@ class RouterCore:
                 E_BAD_REQUEST,
                 f"tokens ({tokens}) must cover the {len(keys)} full blocks of the keys",
             )
+        if not self.pool_enabled:
+            pool_blocks = self.pool_from_events(keys)
         view = RouteView(self.index, keys, pool_blocks)
         if not view.live(now):
             self.counters["no_instance"] += 1
@@ -178,6 +189,13 @@ class RouterCore:
             cost=float(d.cost),
             reason=d.reason,
         )
+
+    def pool_from_events(self, keys: Sequence[bytes]) -> int:
+        """Window-safe blocks of ``keys`` some engine announced in the GCache pool
+        (GCACHE-medium KV events) and has not retracted."""
+        if not self.pool_index.instances:
+            return 0
+        return max(self.pool_index.match(keys).values(), default=0)
 
     def report_load(self, msg: wire.ReportLoad, now: float) -> wire.Ok:
         if min(msg.queued, msg.running, msg.tokens_in_flight, msg.active_blocks) < 0:
@@ -227,6 +245,7 @@ class RouterCore:
 
     def tick(self, now: float) -> None:
         self.index.forget_expired(now)
+        self.pool_index.forget_expired(now)
 
     def stats(self, now: float) -> dict[str, Any]:
         live = set(self.index.live(now))
@@ -234,6 +253,7 @@ class RouterCore:
             **{k: v for k, v in self.counters.items()},
             "by_reason": dict(self.by_reason),
             "index": self.index.stats(),
+            "pool_index": self.pool_index.stats(),
             "events": self.ingestor.stats(),
             "instances": {
                 i.name: {
