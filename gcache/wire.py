@@ -51,6 +51,9 @@ T_ROUTE: Final = 40
 T_ROUTED: Final = 41
 T_REPORT_HITS: Final = 42
 T_REPORT_LOAD: Final = 43
+# A server's own counters (its ``stats()``: read buffers, pipelined NVMe replies).
+T_SERVER_STATS: Final = 15
+T_SERVER_STATS_REPLY: Final = 16
 
 
 # A block key (gcache.keys.KEY_SIZE bytes), checked by the decoder in C: a lookup of
@@ -273,6 +276,14 @@ class ReportLoad(Msg):
     url: str = ""
 
 
+class ServerStats(Msg):
+    """Ask a ``gcache-server`` for its counters (answered ``ServerStatsReply``)."""
+
+
+class ServerStatsReply(Msg):
+    values: dict[str, float]
+
+
 BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_ERROR: Error,
     T_OK: Ok,
@@ -294,6 +305,8 @@ BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_ROUTED: Routed,
     T_REPORT_HITS: ReportHits,
     T_REPORT_LOAD: ReportLoad,
+    T_SERVER_STATS: ServerStats,
+    T_SERVER_STATS_REPLY: ServerStatsReply,
 }
 TYPE_OF: Final[dict[type[Msg], int]] = {v: k for k, v in BODY_TYPES.items()}
 _DECODERS: Final = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}

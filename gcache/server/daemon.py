@@ -15,6 +15,7 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -27,13 +28,13 @@ from gcache.auth import aio_channel, load_cluster_token
 from gcache.config import ServerConfig
 from gcache.errors import (
     E_BAD_REQUEST,
-    E_INTERNAL,
     GCacheError,
     ProtocolError,
     Refusal,
     SendTimeout,
 )
 from gcache.server.core import DataPlaneCore
+from gcache.server.nvme_reads import NvmeReplies, new_counters
 from gcache.server.tiered import ReadBudget, ReadBuffers, TieredReadReply
 from gcache.server.tiers import TierState
 from gcache.startup import OneLineParser, install_uvloop, listen_tcp, run_main, setup_logging
@@ -97,6 +98,7 @@ class StorageServer:
         self.read_budget = ReadBudget(256 << 20)  # NVMe reply bytes read ahead
         self.read_buffers = ReadBuffers(256 << 20)  # their buffers, reused
         self.read_pool = concurrent.futures.ThreadPoolExecutor(4, "nvme-read")
+        self.nvme_reply_counters = new_counters()  # pipelined tier-1 replies (nvme_reads.py)
 
     # ---- data plane --------------------------------------------------------------
 
@@ -112,6 +114,7 @@ class StorageServer:
             **(self.tiers.stats() if self.tiers is not None else {}),
             "nvme_read_budget_waits": self.read_budget.waits,
             **self.read_buffers.stats(),
+            **self.nvme_reply_counters,
         }
 
     async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
@@ -122,14 +125,25 @@ class StorageServer:
             conn.close = stream.close  # the idle sweeper closes the stream
         core = self.core
         assert core is not None
+        nvme: NvmeReplies | None = None  # tier-1 replies being read and sent (issue 10)
+        at_head = False  # waiting for the next frame's header
+
+        def replies_out() -> None:  # the queued tier-1 replies went out: idle again
+            if conn is not None and at_head and conn.idle_since is None:
+                conn.idle_since = time.monotonic()
+
         try:
             while True:
                 if conn is not None:
-                    conn.idle_since = time.monotonic()
+                    conn.idle_since = None if nvme is not None and nvme.busy else time.monotonic()
+                at_head = True
                 head = await stream.recv_head()
+                at_head = False
                 if head is None:
                     return
                 msg = await stream.recv_body(head)
+                if nvme is not None and head.msg_type != wire.T_READ:
+                    await nvme.drain()  # replies leave in request order
                 if conn is not None and not head.payload_len:
                     conn.idle_since = None  # a whole frame: in flight until answered
                 now_ms = int(time.time() * 1000)
@@ -157,6 +171,8 @@ class StorageServer:
                         self.request_log.log(
                             time.monotonic(), "refused READ from %s: %s", stream.peer, r.message
                         )
+                        if nvme is not None:
+                            await nvme.drain()
                         await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
                         continue
                     # The decoded ranges (a tuple each) are spent: not held while a
@@ -164,20 +180,13 @@ class StorageServer:
                     # batch at a time as the socket takes them.
                     msg = None
                     if isinstance(reply, TieredReadReply) and reply.nvme_bytes:
-                        if not await self._load_nvme(reply, stream, head.req_id):
-                            continue
-                        try:
-                            await stream.send_msg_batches(
-                                wire.ReadData(reply.total),
-                                head.req_id,
-                                reply.batches(),
-                                reply.total,
-                            )
-                        finally:
-                            reply.release()  # its buffer back to the pool
-                            await self.read_budget.release(reply.nvme_bytes)
+                        if nvme is None:
+                            nvme = self._nvme_replies(stream, replies_out)
+                        await nvme.submit(reply, head.req_id)  # read in pieces, sent in order
                         del reply
                         continue
+                    if nvme is not None:
+                        await nvme.drain()
                     await stream.send_msg_batches(
                         wire.ReadData(reply.total), head.req_id, reply.batches(), reply.total
                     )
@@ -194,6 +203,9 @@ class StorageServer:
                     await stream.send_msg(wire.Sealed(receipts), head.req_id)
                 elif head.msg_type == wire.T_PING:
                     await stream.send_msg(wire.Ok(0), head.req_id)
+                elif head.msg_type == wire.T_SERVER_STATS:
+                    values = {k: float(v) for k, v in {**self.stats(), **core.stats()}.items()}
+                    await stream.send_msg(wire.ServerStatsReply(values), head.req_id)
                 else:
                     await stream.send_msg(
                         wire.Error(E_BAD_REQUEST, f"message type {head.msg_type} not served here"),
@@ -213,29 +225,24 @@ class StorageServer:
             log.exception("internal error on connection from %s", stream.peer)
         finally:
             stream.close()
+            if nvme is not None and isinstance(await nvme.close(), SendTimeout):
+                self.limiter.send_timeouts += 1  # the tier-1 sender's peer stopped reading
             if conn is not None:
                 self.limiter.release(conn)
 
-    async def _load_nvme(self, reply: TieredReadReply, stream: FrameStream, req_id: int) -> bool:
-        """Read a reply's NVMe bytes on a worker thread, within the read-ahead budget
-        (a READ waits for room: backpressure). False (answered with an error, budget
-        released) when the disk read failed."""
-        await self.read_budget.acquire(reply.nvme_bytes)
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self.read_pool, reply.load, self.read_buffers
-            )
-        except OSError as exc:
-            reply.release()
-            await self.read_budget.release(reply.nvme_bytes)
-            self.request_log.log(time.monotonic(), "NVMe read failed: %s", exc)
-            await stream.send_msg(wire.Error(E_INTERNAL, f"NVMe read failed: {exc}"), req_id)
-            return False
-        except BaseException:
-            reply.release()
-            await self.read_budget.release(reply.nvme_bytes)
-            raise
-        return True
+    def _nvme_replies(self, stream: FrameStream, on_idle: Callable[[], None]) -> NvmeReplies:
+        def failed(line: str) -> None:
+            self.request_log.log(time.monotonic(), "%s (peer %s)", line, stream.peer)
+
+        return NvmeReplies(
+            stream,
+            self.read_pool,
+            self.read_buffers,
+            self.read_budget,
+            self.nvme_reply_counters,
+            failed,
+            on_idle,
+        )
 
     async def accept_loop(self) -> None:
         """Accept, admit through the connection limits, serve (``accept_admitted``)."""

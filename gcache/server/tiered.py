@@ -21,7 +21,13 @@ from array import array
 from collections.abc import Iterator
 from typing import Final
 
-from gcache.storage.nvme import NvmeTier
+from gcache.storage.nvme import BLOCK, NvmeTier
+
+# A disk read of a pipelined tier-1 reply (gcache/server/nvme_reads.py): file
+# descriptor, file offset, the slice of the reply's buffer it fills.
+Piece = tuple[int, int, memoryview]
+# A view of the reply's payload and the piece it waits for (-1: none, a segment view).
+Chunk = tuple[memoryview, int]
 
 MAX_NVME_READ: Final = 64 << 20
 READ_BATCH: Final = 512
@@ -66,6 +72,18 @@ class ReadBuffers:
     @staticmethod
     def size_class(n: int) -> int:
         return max(MIN_BUFFER, 1 << (max(n, 1) - 1).bit_length())
+
+    def try_acquire(self, n: int) -> ReadBuffer | None:
+        """A free pooled buffer for ``n`` bytes, or None (then :meth:`acquire`, which
+        may map one: on a worker thread). Cheap enough for the event loop."""
+        size = self.size_class(n)
+        with self._lock:
+            free = self._free.get(size)
+            if not free:
+                return None
+            self.hits += 1
+            self.lent += size
+            return free.pop()
 
     def acquire(self, n: int) -> ReadBuffer:
         size = self.size_class(n)
@@ -192,6 +210,49 @@ class TieredReadReply:
         self._lease = self._pool = None
         if lease is not None and pool is not None:
             pool.release(lease)
+
+    def tier1_ranges(self) -> list[tuple[int, int]]:
+        return [
+            (off, n)
+            for off, n, t in zip(self._offsets, self._lengths, self._tiers, strict=True)
+            if t
+        ]
+
+    def span(self) -> int:
+        """Bytes of page-aligned buffer the tier-1 ranges need."""
+        return self._tier.read_span(self.tier1_ranges())
+
+    def plan_pieces(self, buf: memoryview, piece: int) -> tuple[list[Piece], list[Chunk]]:
+        """Cut the reply into disk reads of at most ``piece`` bytes (page aligned, so
+        ``O_DIRECT`` takes them) into ``buf`` (page aligned, :meth:`span` bytes), and
+        the reply's payload into chunks in order: ``(view, piece index)``, -1 for a
+        tier-0 view of the segment. A chunk may go out once its piece has landed."""
+        if piece <= 0 or piece % BLOCK:
+            raise ValueError(f"piece {piece} must be a positive multiple of {BLOCK}")
+        tier = self._tier
+        ranges = self.tier1_ranges()
+        spans = iter(tier._spans(ranges))
+        pieces: list[Piece] = []
+        chunks: list[Chunk] = []
+        pos = 0
+        seg = self._seg
+        for off, n, t in zip(self._offsets, self._lengths, self._tiers, strict=True):
+            if not t:
+                chunks.append((seg[off : off + n], -1))
+                continue
+            f, start, span, skip = next(spans)
+            fd = f.fd if f.direct else f.rfd
+            lo, hi = pos + skip, pos + skip + n  # the range's bytes in buf
+            for k in range(0, span, piece):
+                a, b = pos + k, pos + min(k + piece, span)
+                idx = len(pieces)
+                pieces.append((fd, start + k, buf[a:b]))
+                if max(a, lo) < min(b, hi):
+                    chunks.append((buf[max(a, lo) : min(b, hi)], idx))
+            pos += (span + BLOCK - 1) // BLOCK * BLOCK
+            tier.reads += 1
+            tier.read_bytes += n
+        return pieces, chunks
 
     def batches(self, size: int = READ_BATCH) -> Iterator[list[memoryview]]:
         assert self._buf is not None or not self.nvme_bytes, "load() first"

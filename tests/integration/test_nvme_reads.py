@@ -1,0 +1,257 @@
+"""Tier-1 (NVMe) READs served in pieces, pipelined with the send and with the
+connection's next READs (issue 10, round four: gcache/server/nvme_reads.py).
+
+Real meta + server with an NVMe tier; objects are put, pushed out of a small DRAM
+segment by filler puts until the meta lists them on tier 1, then read back
+byte-exact at sizes that cross the server's 1 MiB read pieces. The server's own
+counters come from its ``SERVER_STATS`` frame."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gcache import wire
+from gcache.benchtool.tiers import WATERMARKS
+from gcache.cli.deploy import LocalDeployment
+from gcache.layout import LayerSpec, LayoutSpec
+from gcache_client import AsyncGCacheClient, GCacheClient, Namespace
+from tests import rawwire
+
+MiB = 1 << 20
+PIECE = MiB  # gcache.server.nvme_reads.PIECE
+# (KV heads, K head dim, V head dim) of a one-layer uint8 object: K 1 MiB + 1 byte
+# (1 byte past a piece) and V 17 bytes; K 1 MiB + 1 and V 1 MiB + 18; 16 MiB + 1298
+# in all. K and V are read as separate spans, V from an unaligned offset.
+SIZES = [(17, 61681, 1), (17, 61681, 61682), (129, 65025, 65041)]
+BIG = SIZES[2]
+
+
+def layout(h: int, k: int, v: int) -> LayoutSpec:
+    return LayoutSpec(block_size=1, dtype="uint8", layers=(LayerSpec("full", h, k, v),))
+
+
+def kv(h: int, k: int, v: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.integers(0, 256, (1, h, k), dtype=np.uint8),
+            rng.integers(0, 256, (1, h, v), dtype=np.uint8),
+        )
+    ]
+
+
+def toks(seed: int) -> list[int]:
+    return [seed * 7 + 1]
+
+
+@pytest.fixture()
+def deployment(tmp_path: Path) -> Iterator[LocalDeployment]:
+    with LocalDeployment(
+        tmp_path,
+        servers=1,
+        capacity="96MiB",
+        meta_args=[*WATERMARKS, "--max-pending-per-client", "0.9", "--max-pending-total", "0.9"],
+        server_args=["--heartbeat-interval-s", "0.1"],
+        nvme_size="768MiB",
+    ) as d:
+        d.start()
+        yield d
+
+
+def server_stats(port: int) -> dict[str, float]:
+    _, body, _ = rawwire.call(port, wire.ServerStats())
+    assert isinstance(body, wire.ServerStatsReply), body
+    return body.values
+
+
+def on_tier1(client: GCacheClient, ns: Namespace, seed: int) -> bool:
+    m = client.match(ns, toks(seed))
+    try:
+        return bool(m.tokens) and all(o.grant.tier == 1 for o in m.objects.values())
+    finally:
+        client.release(m)
+
+
+def demote(client: GCacheClient, d: LocalDeployment, objs: list[tuple[Namespace, int]]) -> None:
+    """Put filler objects (pacing DRAM under 70 %) until every object in ``objs``
+    lies on tier 1: rounds of twice the DRAM segment, checked between rounds only
+    (a lookup counts as a use and keeps an object in DRAM)."""
+    filler = client.register_namespace("nvme-reads-filler", layout(64, 32768, 32768))
+    fkv = kv(64, 32768, 32768, 99)
+    deadline = time.monotonic() + 120
+    i = 0
+    cap = d.stats().counters["capacity"]
+    while True:
+        for _ in range(int(2 * cap) // (4 * MiB)):
+            while d.stats().counters["used"] > 0.7 * cap:
+                assert time.monotonic() < deadline, "DRAM never drained"
+                time.sleep(0.02)
+            put(client, filler, 10_000 + i, fkv)
+            i += 1
+        while d.stats().counters["demotions_in_flight"]:
+            time.sleep(0.05)
+        if all(on_tier1(client, ns, s) for ns, s in objs):
+            return
+        assert time.monotonic() < deadline, "objects never reached the NVMe tier"
+
+
+def put(client: GCacheClient, ns: Namespace, seed: int, data: Any) -> None:
+    """Put one object, retrying while DRAM has no room (demotions make it)."""
+    deadline = time.monotonic() + 60
+    while True:
+        res = client.put(ns, toks(seed), data)
+        if res.ok and res.stored + res.deduped == 1:
+            return
+        assert time.monotonic() < deadline, res
+        time.sleep(0.05)
+
+
+def put_objects(client: GCacheClient, d: LocalDeployment) -> list[tuple[Namespace, int, Any]]:
+    out = []
+    for n, (h, k, v) in enumerate(SIZES):
+        ns = client.register_namespace(f"nvme-reads-{h}-{k}-{v}", layout(h, k, v))
+        for s in range(2):
+            data = kv(h, k, v, 100 * n + s)
+            put(client, ns, s, data)
+            out.append((ns, s, data))
+            while d.stats().counters["used"] > 0.7 * d.stats().counters["capacity"]:
+                time.sleep(0.02)
+    demote(client, d, [(ns, s) for ns, s, _ in out])
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_tier1_reads_byte_exact_across_pieces_and_pipelined(
+    deployment: LocalDeployment, transport: str
+) -> None:
+    d = deployment
+    client = GCacheClient(d.client_config(transport=transport))
+    objs = put_objects(client, d)
+    port = 0
+    for ns, s, data in objs:  # one at a time
+        m = client.match(ns, toks(s))
+        assert all(o.grant.tier == 1 for o in m.objects.values())
+        port = m.servers[0].port
+        got = client.get(m)
+        client.release(m)
+        assert got is not None, f"{ns.model} {s}: miss"
+        assert np.array_equal(np.asarray(got[0].k), data[0][0])
+        assert np.array_equal(np.asarray(got[0].v), data[0][1])
+    before = server_stats(port)
+
+    async def together() -> list[bool]:  # all in flight on one connection
+        async with AsyncGCacheClient(d.client_config(transport=transport)) as c:
+            spaces = {
+                ns.model: await c.register_namespace(ns.model, ns.layout.spec) for ns, _, _ in objs
+            }
+
+            async def one(ns: Namespace, s: int, data: Any) -> bool:
+                m = await c.match(spaces[ns.model], toks(s))
+                got = await c.get(m)
+                await c.release(m)
+                return (
+                    got is not None
+                    and np.array_equal(np.asarray(got[0].k), data[0][0])
+                    and np.array_equal(np.asarray(got[0].v), data[0][1])
+                )
+
+            return list(await asyncio.gather(*(one(*o) for o in objs * 3)))
+
+    assert all(asyncio.run(together()))
+    after = server_stats(port)
+    # New behaviour: pieces of at most 1 MiB, READs started while another is sent.
+    pieces = after["nvme_read_pieces"] - before["nvme_read_pieces"]
+    assert pieces >= 3 * 2 * sum(-(-h * k // PIECE) + -(-h * v // PIECE) for h, k, v in SIZES)
+    assert after["nvme_replies_ahead"] > before["nvme_replies_ahead"]
+    assert after["nvme_replies_queued"] == 0
+    assert after["nvme_read_buffers_lent_bytes"] == 0
+    client.close()
+
+
+def _tier_files(d: LocalDeployment) -> list[Path]:
+    return [p for p in d.nvme_dir(0).rglob("*") if p.is_file() and p.stat().st_size > MiB]
+
+
+def test_corrupted_nvme_byte_past_the_first_piece_is_a_miss(deployment: LocalDeployment) -> None:
+    d = deployment
+    client = GCacheClient(d.client_config(transport="tcp"))
+    ns = client.register_namespace("nvme-reads-corrupt", layout(*BIG))
+    data = kv(*BIG, 5)
+    put(client, ns, 0, data)
+    demote(client, d, [(ns, 0)])
+    # The byte 3 MiB + 5 into K: read by the fourth piece, after the reply began.
+    needle = data[0][0].tobytes()[3 * MiB + 5 - 64 : 3 * MiB + 5 + 64]
+    hits = 0
+    for path in _tier_files(d):
+        blob = path.read_bytes()
+        at = blob.find(needle)
+        if at >= 0:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.pwrite(fd, bytes([blob[at + 64] ^ 0xFF]), at + 64)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            hits += 1
+    assert hits == 1, hits
+    m = client.match(ns, toks(0))
+    assert m.tokens == 1 and all(o.grant.tier == 1 for o in m.objects.values())
+    assert client.get(m) is None  # checksum mismatch: a miss, never wrong bytes
+    client.release(m)
+    assert client.stats()["integrity_errors"] >= 1
+    client.close()
+
+
+def _raw_read(m: Any) -> bytes:
+    loc = next(iter(m.objects.values()))
+    g = loc.grant
+    half = g.length // 2
+    return wire.pack_frame(wire.Read([g], [(0, g.offset, half), (0, g.offset + half, half)]), 1)
+
+
+def test_disconnect_mid_tier1_reads_gives_back_buffers_and_budget(
+    deployment: LocalDeployment,
+) -> None:
+    """A client that asks for several 16 MiB tier-1 READs on one connection, takes a
+    few bytes of the first reply and goes away: the server's pooled buffers, its
+    read-ahead budget and its queued replies are all given back."""
+    d = deployment
+    client = GCacheClient(d.client_config(transport="tcp"))
+    ns = client.register_namespace("nvme-reads-disconnect", layout(*BIG))
+    for s in range(2):
+        put(client, ns, s, kv(*BIG, s))
+    demote(client, d, [(ns, 0), (ns, 1)])
+    m = client.match(ns, toks(0))
+    port = m.servers[0].port
+    before = server_stats(port)
+    for _ in range(3):
+        sock = rawwire.connect(port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        sock.sendall(_raw_read(m) * 6)  # six READs pipelined: some queued behind
+        assert len(rawwire.recv_exact(sock, 4096)) == 4096
+        time.sleep(0.3)  # the server is blocked sending, its next READs read ahead
+        during = server_stats(port)
+        assert during["nvme_replies_queued"] >= 2, during
+        assert during["nvme_read_buffers_lent_bytes"] > 0, during
+        sock.close()
+        deadline = time.monotonic() + 10
+        while True:
+            after = server_stats(port)
+            if after["nvme_read_buffers_lent_bytes"] == 0 and after["nvme_replies_queued"] == 0:
+                break
+            assert time.monotonic() < deadline, after
+            time.sleep(0.05)
+    assert after["nvme_replies_ahead"] > before["nvme_replies_ahead"]
+    got = client.get(m)  # the server still serves tier-1 reads
+    client.release(m)
+    assert got is not None and np.array_equal(np.asarray(got[0].k), kv(*BIG, 0)[0][0])
+    client.close()
