@@ -51,7 +51,11 @@ T = TypeVar("T")
 
 async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
     """Like ``asyncio.gather`` but on the first failure (or cancellation) cancels and
-    awaits the rest, so no read keeps writing into buffers after we return."""
+    awaits the rest, so no read keeps writing into buffers after we return. One
+    awaitable is awaited in place: no task, no loop pass (a 1 MiB read is one layer
+    from one server), and a cancellation reaches it where it waits, as it would."""
+    if len(aws) == 1:
+        return [await aws[0]]
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))

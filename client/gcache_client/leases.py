@@ -34,14 +34,20 @@ class ReleaseBatcher:
         if len(self._ids) >= MAX_PENDING_RELEASES:
             self.flush()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self.flush)
+            self._timer = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        self.flush()
 
     def take(self) -> list[int]:
-        """The leases to release, for a ``Lookup`` to carry."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        ids, self._ids = self._ids, []
+        """The leases to release, for a ``Lookup`` to carry. The timer stays: it
+        finds nothing or what was added since (one timer per ``RELEASE_FLUSH_S``,
+        not a timer armed and cancelled for every read)."""
+        ids = self._ids
+        if not ids:
+            return []  # never the list add() appends to
+        self._ids = []
         return ids
 
     def flush(self) -> None:
@@ -59,6 +65,9 @@ class ReleaseBatcher:
 
     async def close(self, timeout: float) -> None:
         """Send what is pending and let releases under way reach the meta."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._ids and not self.closed:
             self.flush()
         if self._tasks:

@@ -183,7 +183,10 @@ class Writer:
                     return None
             return pi, sums, reply.value
 
-        done = await asyncio.gather(*(write_one(i, p) for i, p in enumerate(placed.placements)))
+        if len(placed.placements) == 1:  # no task and loop pass for one object
+            done = [await write_one(0, placed.placements[0])]
+        else:
+            done = await asyncio.gather(*(write_one(i, p) for i, p in enumerate(placed.placements)))
         written = [d for d in done if d is not None]
         sealed = await self._seal(placed, [d[0] for d in written if d[2] is None])
         ok: list[tuple[int, bytes]] = []
