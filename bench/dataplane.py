@@ -191,6 +191,7 @@ def layers_case(
         "ratio": extra["transfer_only_us"] / 1e6 / best,
         "ttfl_ms": extra["ttfl_us"] / 1e3,
         "overlap": extra["overlap"],
+        "overlap_best": extra["overlap_best"],
         "cpu_s_per_gb": {k: v / total_gb for k, v in cpu.items()},
         "cpu_s_per_gb_total": sum(cpu.values()) / total_gb,
     }
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"get_layers {transport:<3} {row['bytes'] / 1e6:.1f} MB: transfer "
                     f"{row['transfer_ms']:.1f} ms, numpy copy {row['numpy_copy_ms']:.1f} ms "
                     f"({row['ratio']:.2f}x), TTFL {row['ttfl_ms']:.1f} ms, overlap "
-                    f"{row['overlap']:.3f} | CPU s/GB {row['cpu_s_per_gb_total']:.3f}",
+                    f"{row['overlap']:.3f} (best {row['overlap_best']:.3f}) | CPU s/GB "
+                    f"{row['cpu_s_per_gb_total']:.3f}",
                     flush=True,
                 )
             for transport in args.transports.split(",") if not args.layers else []:

@@ -8,8 +8,10 @@ event loop of their own.
 
 from __future__ import annotations
 
+import asyncio
+import queue
 from collections.abc import Coroutine, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -88,11 +90,23 @@ class GCacheClient:
 
 
 class SyncLayerStream:
-    """Iterator over layers; reads run ahead on the client's loop thread."""
+    """Iterator over layers; reads run ahead on the client's loop thread.
+
+    A task on the loop (the *pump*) takes layers off the async stream as they
+    arrive and queues them here, at most ``layers_in_flight`` ahead of the caller;
+    taking a layer that already arrived costs no round trip through the loop
+    thread (a thread wake-up each way, milliseconds on a loaded machine), only a
+    credit posted back to the pump."""
+
+    _END: Final = object()
 
     def __init__(self, client: GCacheClient, stream: LayerStream) -> None:
         self._client = client
         self._stream = stream
+        self._ready: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._credit: asyncio.Semaphore | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self._done = False
 
     @property
     def ok(self) -> bool:
@@ -105,14 +119,48 @@ class SyncLayerStream:
     def __iter__(self) -> Iterator[LayerKV]:
         return self
 
-    def __next__(self) -> LayerKV:
+    async def _start(self) -> None:
+        self._credit = asyncio.Semaphore(self._client.config.layers_in_flight)
+        self._pump = asyncio.create_task(self._run_pump(self._credit))
+
+    async def _run_pump(self, credit: asyncio.Semaphore) -> None:
         try:
-            return self._client._run(self._stream.__anext__())
-        except StopAsyncIteration:
-            raise StopIteration from None
+            async for layer in self._stream:
+                self._ready.put(layer)
+                await credit.acquire()
+        except BaseException as exc:  # handed to the caller (LayoutError), or cancelled
+            self._ready.put(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self._ready.put(self._END)
+
+    def __next__(self) -> LayerKV:
+        if self._done:
+            raise StopIteration
+        if self._pump is None:
+            self._client._run(self._start())
+        item = self._ready.get()
+        if item is self._END or isinstance(item, asyncio.CancelledError):
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        credit = self._credit
+        assert credit is not None
+        self._client._lt.loop.call_soon_threadsafe(credit.release)
+        return item  # type: ignore[return-value]
+
+    async def _close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+        await self._stream.aclose()
 
     def close(self) -> None:
-        self._client._run(self._stream.aclose())
+        self._done = True
+        self._client._run(self._close())
 
     def __enter__(self) -> SyncLayerStream:
         return self

@@ -398,14 +398,14 @@ def print_rows(op: str, rows: list[dict[str, Any]]) -> None:
         print(
             f"{'#tokens':>8} {'#iterations':>12} {'bytes/iter':>12} {'BW avg[GB/s]':>13} "
             f"{'TTFL[us]':>10} {'total[us]':>11} {'transfer[us]':>13} {'compute[us]':>12} "
-            f"{'overlap':>8}"
+            f"{'overlap':>8} {'best':>6}"
         )
         for r in rows:
             print(
                 f"{r['prompt_tokens']:>8} {r['iterations']:>12} {r['bytes']:>12} "
                 f"{r['bw_avg_gbps']:>13.3f} {r['ttfl_us']:>10.0f} {r['total_us']:>11.0f} "
                 f"{r['transfer_only_us']:>13.0f} {r['compute_only_us']:>12.0f} "
-                f"{r['overlap']:>8.3f}"
+                f"{r['overlap']:>8.3f} {r['overlap_best']:>6.3f}"
             )
     elif op == "lookup":
         print(
