@@ -240,3 +240,23 @@ def test_closing_a_stream_stops_its_read_ahead(deployment: LocalDeployment, kern
         c.release(m)
     finally:
         c.close()
+
+
+def test_a_misshaped_buffer_raises_through_the_sync_stream(bclient: GCacheClient) -> None:
+    """Misuse still raises (LayoutError) through the sync stream's pump, and the
+    stream ends after it."""
+    from gcache.errors import LayoutError
+
+    ns = bclient.register_namespace(f"native-{uuid.uuid4()}", "mimo-v2-flash", block_size=16)
+    kv = make_kv(ns.layout, 64, seed=3)
+    toks = tokens(64, seed=3)
+    assert bclient.put(ns, toks, kv).ok
+    m = bclient.match(ns, toks)
+    out = [(np.zeros_like(k), np.zeros_like(v)) for k, v in kv]
+    out[2] = (np.zeros((1, 1, 1), kv[2][0].dtype), out[2][1])  # layer 2's K is wrong
+    with bclient.get_layers(m, out) as stream:
+        assert [next(stream).layer, next(stream).layer] == [0, 1]
+        with pytest.raises(LayoutError):
+            next(stream)
+        assert list(stream) == []
+    bclient.release(m)
