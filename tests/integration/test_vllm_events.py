@@ -84,7 +84,10 @@ def test_router_scores_gcache_blocks_until_gcache_evicts_them(tmp_path: Path) ->
                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
             try:
-                pool = lambda: r.metric("gcache_router_pool_blocks", instance="v1")  # noqa: E731
+
+                def pool() -> float:
+                    return r.metric("gcache_router_pool_blocks", instance="v1")
+
                 # 1. Stored through GCache: announced with medium GCACHE.
                 _wait("GCACHE BlockStored", lambda: pool() == 3, proc, log, 150)
                 (tmp_path / "cleared").write_text("")
@@ -122,3 +125,49 @@ def test_router_scores_gcache_blocks_until_gcache_evicts_them(tmp_path: Path) ->
                     proc.wait()
         finally:
             r.stop()
+
+
+def test_request_aborted_mid_load_frees_its_blocks_and_lease(tmp_path: Path) -> None:
+    """Issue 13: a request aborted while its (async) load from GCache is in flight
+    gives vLLM its blocks back once the load is over, holds no lease in the meta,
+    and the next request for the same prompt loads it and produces the same tokens
+    and logprobs as the run that stored it."""
+    model = write_tiny_llama(tmp_path / "llama")
+    prompt = [int(x) for x in np.random.default_rng(11).integers(10, 2000, 3 * BS + 1)]
+    with LocalDeployment(tmp_path / "d", servers=1, capacity="64MiB") as d:
+        spec = {
+            "model": str(model),
+            "connector": {
+                "meta": d.meta_addr, "meta_grpc": d.meta_grpc, "load_mode": "async",
+                "load_or_recompute": False, "transport": "tcp",
+            },
+            "meta_grpc": d.meta_grpc,
+            "prompt": prompt,
+        }  # fmt: skip
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        out, log = tmp_path / "out.json", tmp_path / "vllm.log"
+        env = {
+            **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
+            "GCACHE_TEST_LOAD_DELAY_S": "2", "GCACHE_TEST_LOAD_MARK": str(tmp_path / "mark"),
+        }  # fmt: skip
+        driver = ROOT / "tests" / "vllm_abort_driver.py"
+        with open(log, "wb") as fh:
+            rc = subprocess.run(
+                [str(VLLM_PY), str(driver), str(tmp_path / "spec.json"), str(out)],
+                cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=300,
+            ).returncode  # fmt: skip
+        assert rc == 0 and out.exists(), log.read_text(errors="replace")[-4000:]
+        res = json.loads(out.read_text())
+        assert (tmp_path / "mark").read_text().split()[0].split("-")[0] == "A"
+        assert res["a_status"] == "FINISHED_ABORTED", "A aborted while its load was in flight"
+        assert res["free_after_abort"] == res["free_before"], "A's blocks came back"
+        ref, after = res["reference"], res["after"]
+        assert after["tokens"] == ref["tokens"]
+        diff = max(abs(a - b) for a, b in zip(after["logprobs"], ref["logprobs"], strict=True))
+        assert diff <= 1e-3
+        assert after["cached"] >= 3 * BS, "the next request loaded the prompt from GCache"
+        assert res["gcache"]["lookups"] >= 2
+        deadline = time.monotonic() + 10
+        while d.stats().counters["active_leases"] != 0:  # the releases are batched
+            assert time.monotonic() < deadline, "a lease outlived its request"
+            time.sleep(0.1)
