@@ -226,6 +226,19 @@ class MetaConfig:
         "leaving DRAM are dropped",
         default=4096,
     )
+    demote_watermark: float = _doc(
+        "above this fraction used (and below high_watermark), demote DRAM objects "
+        "worth a disk write continuously, so a server's disk always has a batch while "
+        "puts arrive; at or above high_watermark: off",
+        default=0.85,
+    )
+    put_wait_s: float = _doc(
+        "a put that finds DRAM full while demotions in flight will make its room waits "
+        "in the meta up to this long (then evicts as before) instead of dropping "
+        "worth-keeping objects; keep it below the clients' timeout_s; 0: off",
+        zero_ok=True,
+        default=1.0,
+    )
     adopt_outbox: int = _doc(
         "commits queued per server for its manifest (sent in the next heartbeat reply); "
         "past it they are counted and not recorded (lost on a restart, never wrong)",

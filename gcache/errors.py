@@ -146,3 +146,12 @@ class Refusal(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class PutWait(Refusal):
+    """A put found DRAM full while demotions in flight will make its room (issue 10):
+    the meta's hot path holds it and places it again when they are reported (at
+    most ``meta.put_wait_s``). Anything that does not wait answers it ``E_BUSY``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(E_BUSY, message)

@@ -99,6 +99,10 @@ COUNTERS = (
     "report_invalid",
     "report_duplicates",
     "reports_completed",
+    # issue 10: the demotion pipeline (A)
+    "demotions_ahead",
+    "puts_told_to_wait",
+    "puts_waited",
     # issue 13: the removal feed (meta/events.py)
     "removals_recorded",
     "removals_delivered",

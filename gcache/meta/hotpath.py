@@ -18,6 +18,7 @@ from gcache.errors import (
     GCacheError,
     InvalidBody,
     ProtocolError,
+    PutWait,
     Refusal,
     SendTimeout,
 )
@@ -33,6 +34,8 @@ from gcache.transport.limits import (
 from gcache.transport.stream import BodyCheck, FrameStream
 
 log = logging.getLogger("gcache.meta.hotpath")
+# How often a put waiting for room checks for finished demotions (issue 10).
+PUT_WAIT_POLL_S = 0.002
 
 # Replies to requests already buffered whole wait for each other (one sendmsg) up
 # to these bounds.
@@ -64,10 +67,12 @@ def dispatch(
     msg_type: int,
     msg: Any,
     auth: Authenticator | None = None,
+    wait: bool = False,
 ) -> wire.Msg:
     """Run one decoded request of ``session`` against the core; returns the reply body.
     With tenant tokens (``auth.tenants``) only ``PING`` and ``HELLO`` are served
-    before the session authenticated."""
+    before the session authenticated. ``wait``: a ``PutBegin`` that finds DRAM full
+    while demotions in flight will make room raises ``PutWait``."""
     if msg_type == wire.T_HELLO:
         return hello(auth, session, msg)
     if (
@@ -83,7 +88,7 @@ def dispatch(
             core.release(lease_id, session)
         return core.lookup(msg, now, wall, session)
     if msg_type == wire.T_PUT_BEGIN:
-        return core.put_begin(msg, now, wall, session)
+        return core.put_begin(msg, now, wall, session, wait)
     if msg_type == wire.T_PUT_COMMIT:
         return wire.Ok(core.put_commit(msg, now, session))
     if msg_type == wire.T_PUT_ABORT:
@@ -150,6 +155,7 @@ class HotPathServer:
         core = self.core
         check_body = self.check_body
         session = Session(peer=str(stream.peer))
+        wait = core.cfg.put_wait_s > 0  # a put may wait for room (issue 10)
         waiting = 0  # replies queued, not sent yet
         try:
             while True:
@@ -167,7 +173,10 @@ class HotPathServer:
                     reply: wire.Msg = wire.Error(E_BAD_REQUEST, str(exc))
                 else:
                     try:
-                        reply = dispatch(core, session, head.msg_type, msg, self.auth)
+                        try:
+                            reply = dispatch(core, session, head.msg_type, msg, self.auth, wait)
+                        except PutWait:
+                            reply = await self._put_when_room(session, msg)
                     except Refusal as r:
                         core.counters["refused"] += 1
                         reply = wire.Error(r.code, r.message)
@@ -211,6 +220,25 @@ class HotPathServer:
             stream.close()
             if conn is not None:
                 self.limiter.release(conn)
+
+    async def _put_when_room(self, session: Session, msg: Any) -> wire.Msg:
+        """A ``PutBegin`` told to wait (``PutWait``: DRAM full, demotions in flight
+        will free it): place it again each time servers report finished demotions
+        (``core.room_gen``), for at most ``meta.put_wait_s``; the last try evicts as
+        a put always did. The connection's next request waits meanwhile
+        (backpressure on that client only)."""
+        core = self.core
+        core.counters["puts_waited"] += 1
+        deadline = time.monotonic() + core.cfg.put_wait_s
+        while True:
+            gen = core.room_gen
+            while core.room_gen == gen and time.monotonic() < deadline:
+                await asyncio.sleep(PUT_WAIT_POLL_S)
+            last = time.monotonic() >= deadline
+            try:
+                return dispatch(core, session, wire.T_PUT_BEGIN, msg, self.auth, not last)
+            except PutWait:
+                continue
 
     async def accept_loop(self) -> None:
         """Accept, admit through the connection limits, serve (``accept_admitted``)."""

@@ -4,6 +4,7 @@ one put may reserve and evict), evicting when nothing fits. No I/O, no clock."""
 
 from __future__ import annotations
 
+from gcache.errors import PutWait
 from gcache.meta.reclaim import IndexStore
 from gcache.meta.records import NamespaceRecord, Placed, Plan, ServerRecord
 
@@ -14,13 +15,19 @@ class Budget:
     """Bytes one put may still allocate (the least of its client's, the store's and
     its tenant's pending/quota room) and evict. An object past ``alloc`` is
     ``no_space`` without evicting anything, so a put over its bounds never takes
-    other tenants' committed data."""
+    other tenants' committed data.
 
-    __slots__ = ("alloc", "evict")
+    ``wait``: the put may wait for room that demotions in flight will free instead
+    of evicting worth-keeping objects (the hot path's puts, see ``PutWait``);
+    ``busy`` counts its objects that found no room for that reason."""
 
-    def __init__(self, alloc: int = UNBOUNDED, evict: int = UNBOUNDED) -> None:
+    __slots__ = ("alloc", "busy", "evict", "wait")
+
+    def __init__(self, alloc: int = UNBOUNDED, evict: int = UNBOUNDED, wait: bool = False) -> None:
         self.alloc = alloc
         self.evict = evict
+        self.wait = wait
+        self.busy = 0
 
 
 def balance_key(srv: ServerRecord) -> tuple[float, int]:
@@ -79,6 +86,14 @@ class Placement(IndexStore):
             # pass over every block places them. It re-counts what is stored and what
             # found no space (the first pass's figures would count both twice).
             deduped, no_space = self._place_objects(ns, key_list, masks, 0, now, placed, budget)
+        if budget.busy:
+            # DRAM is full and demotions in flight will free it: place nothing now
+            # (the ranges just allocated go back, no grant was minted for them) and
+            # let the caller wait for the room rather than drop worth-keeping data.
+            for _, _, srv, off, _ in placed:
+                srv.allocator.free(off)
+            self.counters["puts_told_to_wait"] += 1
+            raise PutWait(f"DRAM full: {budget.busy} objects wait for demotions in flight")
         self.counters["puts_begun"] += 1
         self.counters["objects_no_space"] += no_space
         self.counters["objects_deduped"] += deduped
@@ -215,9 +230,18 @@ class Placement(IndexStore):
                 return srv, off
         for srv in order:
             if budget.evict <= 0:
-                return None
-            budget.evict -= self._evict(srv, need_contiguous=size, max_bytes=budget.evict)
+                break
+            budget.evict -= self._make_room(srv, size, budget)
             off = srv.allocator.alloc(size)
             if off is not None:
                 return srv, off
+        if budget.wait and any(s.demoting_bytes >= size for s in order):
+            budget.busy += 1  # room is on its way: the put waits instead (place)
         return None
+
+    def _make_room(self, srv: ServerRecord, size: int, budget: Budget) -> int:
+        """Make ``size`` contiguous bytes free on ``srv`` for a put, within
+        ``budget.evict``; returns the bytes evicted. Here: evict in the policy's
+        order. The NVMe tier (meta/tiers.py) demotes worth-keeping objects instead
+        while the put may wait."""
+        return self._evict(srv, need_contiguous=size, max_bytes=budget.evict)

@@ -60,8 +60,16 @@ class Puts(Placement):
         return Budget(max(0, alloc), int(cfg.max_evict_per_put * cap))
 
     def put_begin(
-        self, req: wire.PutBegin, now: float, wall: float, session: Session = LOCAL
+        self,
+        req: wire.PutBegin,
+        now: float,
+        wall: float,
+        session: Session = LOCAL,
+        wait: bool = False,
     ) -> wire.PutPlaced:
+        """``wait``: rather than evict worth-keeping objects when DRAM is full while
+        demotions in flight will make the room, raise ``PutWait`` (nothing placed;
+        the hot path places the put again once they are reported)."""
         ns = self._namespace(req.namespace, session.principal)
         self._check_keys(req.keys)
         if len(req.groups) != len(req.keys):
@@ -73,6 +81,7 @@ class Puts(Placement):
             raise Refusal(E_BAD_REQUEST, f"checkpoint_from {req.checkpoint_from} out of range")
         self._release_quarantine(now)
         budget = self.put_budget(session)
+        budget.wait = wait
         want = budget.alloc
         plan = self.place(ns, req.keys, req.groups, now, req.checkpoint_from, budget)
         if plan.no_space and budget.alloc < want and budget.alloc < UNBOUNDED:

@@ -37,6 +37,7 @@ from gcache.meta.eviction import (
     compute_for_layout,
 )
 from gcache.meta.leases import Leases
+from gcache.meta.placement import Budget
 from gcache.meta.reclaim import LEAVING_DRAM
 from gcache.meta.records import (
     EVICTED,
@@ -59,6 +60,9 @@ MAX_DROP_PER_REPLY = 1 << 16
 MAX_PROMOTE_PER_REPLY = 1024
 # Promotions sent to a server and not reported done yet, at most.
 MAX_PROMOTIONS_IN_FLIGHT = 1024
+# Objects not worth a disk write that continuous demotion passes over per call (they
+# wait for the high watermark, where they are dropped).
+SKIP_AHEAD = 64
 PROMOTING = -1  # ObjectRecord.hits of an object being promoted
 
 
@@ -120,6 +124,9 @@ def _take(items: list[T], n: int) -> list[T]:
 class Tiers(Leases):
     epoch: int
     now_s: float  # the latest ``now`` seen (tick, heartbeat): for demotion pauses
+    # Bumped whenever servers report finished demotions (DRAM freed): a put told to
+    # wait for room (``PutWait``) tries again when it changes.
+    room_gen: int = 0
     _compute: dict[int, ModelCompute]
 
     # ---- DRAM watermark: demote or drop --------------------------------------------
@@ -127,12 +134,15 @@ class Tiers(Leases):
     def _check_watermark(self, srv: ServerRecord) -> None:
         cfg = self.cfg
         cap = srv.allocator.capacity
-        if srv.reclaimable_used > cfg.high_watermark * cap:
+        used = srv.reclaimable_used
+        if used > cfg.high_watermark * cap:
             target = int(cfg.low_watermark * cap)
             if cfg.demote:
                 self._demote_or_drop(srv, target)
             else:
                 self._evict(srv, target_used=target, max_bytes=cap)
+        elif cfg.demote and srv.nvme_capacity and used > cfg.demote_watermark * cap:
+            self._demote_ahead(srv, int(cfg.demote_watermark * cap))
         ncap = srv.nvme_capacity
         if ncap and srv.nvme_bytes > cfg.nvme_high_watermark * ncap:
             self._evict_nvme(srv, int(cfg.nvme_low_watermark * ncap))
@@ -155,6 +165,68 @@ class Tiers(Leases):
                 break
         return moved
 
+    def _demote_ahead(self, srv: ServerRecord, target_used: int) -> int:
+        """Continuous demotion (between ``demote_watermark`` and the high watermark):
+        demote DRAM objects worth a disk write, in the policy's order, until
+        ``srv``'s reclaimable usage is at most ``target_used``, so the server's disk
+        has a batch queued while puts arrive. Nothing is dropped here: objects not
+        worth a disk write (at most ``SKIP_AHEAD`` of them per call) are put back
+        in the policy's order and wait for the high watermark; the scan stops at
+        the first object that cannot be demoted now (bound of demotions in flight,
+        NVMe full, a pause after a failure). Returns the bytes being demoted."""
+        moved = 0
+        limit = srv.allocator.capacity
+        skipped: list[tuple[ObjectRecord, NamespaceRecord]] = []
+        for obj, ns in self.policy.candidates(srv):
+            if not self._worth_a_disk_write(obj, ns):
+                skipped.append((obj, ns))
+                if len(skipped) >= SKIP_AHEAD:
+                    break
+                continue
+            if not self._can_demote(obj):
+                skipped.append((obj, ns))
+                break
+            self._demote(obj, ns)
+            moved += obj.length
+            if srv.reclaimable_used <= target_used or moved >= limit:
+                break
+        for obj, ns in skipped:  # popped from the policy's order: back in it
+            self.policy.unpinned(obj, ns)
+        self.counters["demotions_ahead"] += 1 if moved else 0
+        return moved
+
+    def _make_room(self, srv: ServerRecord, size: int, budget: Budget) -> int:
+        """A put's object does not fit on ``srv``. While the put may wait
+        (``budget.wait``) and ``srv`` can demote: objects not worth a disk write are
+        dropped at once, worth-keeping ones are demoted (not dropped) until the
+        demotions in flight on ``srv`` cover ``size``; placement then asks the put
+        to wait for them (``Budget.busy``). Otherwise, or when demoting cannot make
+        the room (NVMe full, a failure pause, the bound of demotions in flight
+        reached with too little in flight), the objects are evicted as before.
+        Returns the bytes dropped (against ``budget.evict``)."""
+        if not (budget.wait and self.cfg.demote and self._tier_open(srv)):
+            return super()._make_room(srv, size, budget)
+        dropped = 0
+        held: list[tuple[ObjectRecord, NamespaceRecord]] = []
+        allocator = srv.allocator
+        for obj, ns in self.policy.candidates(srv):
+            if not self._worth_a_disk_write(obj, ns):
+                dropped += self._drop(obj, ns)
+                self.counters["dropped_not_demoted"] += 1
+                if allocator.largest_free() >= size or dropped >= budget.evict:
+                    break
+                continue
+            if srv.demoting_bytes >= size or not self._can_demote(obj):
+                held.append((obj, ns))  # wait for the demotions in flight instead
+                break
+            self._demote(obj, ns)
+        for obj, ns in held:
+            self.policy.unpinned(obj, ns)
+        if allocator.largest_free() < size and srv.demoting_bytes < size:
+            # Nothing in flight will make this room: evict as a put always did.
+            dropped += super()._make_room(srv, size, Budget(budget.alloc, budget.evict - dropped))
+        return dropped
+
     def _compute_of(self, ns: NamespaceRecord) -> ModelCompute:
         c = self._compute.get(ns.ns_id)
         if c is None:
@@ -168,16 +240,39 @@ class Tiers(Leases):
         return flops / (self.cfg.compute_tflops * 1e12)
 
     def _worth_demoting(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        return self._worth_a_disk_write(obj, ns) and self._can_demote(obj)
+
+    def _tier_open(self, srv: ServerRecord) -> bool:
+        """``srv`` takes demotions now: an NVMe tier, alive, its report complete, and
+        no failed demotion in the last ``DEMOTE_PAUSE_S``."""
+        return (
+            bool(srv.nvme_capacity)
+            and srv.alive
+            and srv.ready
+            and self.now_s >= srv.demote_paused_until
+        )
+
+    def _can_demote(self, obj: ObjectRecord) -> bool:
+        """``obj``'s server can take its demotion now: :meth:`_tier_open`, fewer
+        than ``max_demotions_in_flight`` in flight, and room on its NVMe tier (below
+        the NVMe high watermark after evicting down to the low one)."""
         srv = obj.server
         cfg = self.cfg
-        if (
-            not srv.nvme_capacity
-            or not srv.alive
-            or not srv.ready
-            or len(srv.demoting) >= cfg.max_demotions_in_flight
-            or self.now_s < srv.demote_paused_until
-        ):
+        if not self._tier_open(srv) or len(srv.demoting) >= cfg.max_demotions_in_flight:
             return False
+        high = cfg.nvme_high_watermark * srv.nvme_capacity
+        if srv.nvme_bytes + obj.length > high:
+            self._evict_nvme(srv, int(cfg.nvme_low_watermark * srv.nvme_capacity))
+            if srv.nvme_bytes + obj.length > high:
+                return False
+        return True
+
+    def _worth_a_disk_write(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        """The value side of the rule: recomputing ``obj``'s block takes at least
+        ``demote_min_gain`` times as long as reading it back from NVMe, or its
+        cached descendants need it."""
+        srv = obj.server
+        cfg = self.cfg
         if obj.group != ns.full_group or obj.entry.children == 0:
             # Not a block whose cached descendants need it: judge it by value.
             if isinstance(self.policy, CostPolicy) and obj.score <= ZERO / 2:
@@ -186,11 +281,6 @@ class Tiers(Leases):
             read_s = obj.length / (gbps * 1e9)
             known = self._compute_of(ns) is not UNIT_COMPUTE  # unknown: keep what fits
             if known and self.recompute_s(ns, obj.entry.pos) < cfg.demote_min_gain * read_s:
-                return False
-        high = cfg.nvme_high_watermark * srv.nvme_capacity
-        if srv.nvme_bytes + obj.length > high:
-            self._evict_nvme(srv, int(cfg.nvme_low_watermark * srv.nvme_capacity))
-            if srv.nvme_bytes + obj.length > high:
                 return False
         return True
 
@@ -441,8 +531,14 @@ class Tiers(Leases):
             err = self.demoted(srv, d, now)
             if err is not None:
                 out.failed.append(err)
+        if demoted:
+            self.room_gen += 1  # puts waiting for room try again (meta/hotpath.py)
         for pr in promoted or ():
             self.promoted(srv, pr)
+        # The watermark first, so this reply carries the demotions it queues (the
+        # server's disk gets its next batch now, not a heartbeat later); the
+        # per-reply bounds below cut only what this reply cannot hold.
+        self._check_watermark(srv)
         # Order matters to the server: free, then adopt, then demote.
         out.free, srv.freed = srv.freed, []
         paused = len(srv.adopt_out) >= self.cfg.adopt_outbox
@@ -456,10 +552,9 @@ class Tiers(Leases):
         out.demote = _take(srv.demote_out, MAX_DEMOTE_PER_REPLY)
         out.drop_nvme = _take(srv.drop_out, MAX_DROP_PER_REPLY)
         out.promote = _take(srv.promote_out, MAX_PROMOTE_PER_REPLY)
-        # Cut by a per-reply bound (checked before the watermark queues new work):
-        # the server asks again at once, so an outbox drains at round-trip speed.
+        # Cut by a per-reply bound: the server asks again at once, so an outbox
+        # drains at round-trip speed.
         out.more = bool(srv.adopt_out or srv.demote_out or srv.drop_out or srv.promote_out)
-        self._check_watermark(srv)
         return out
 
     def tier_stats(self) -> dict[str, float]:

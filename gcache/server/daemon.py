@@ -95,6 +95,7 @@ class StorageServer:
         self.heartbeat_failures = 0
         # Issue 10: manifest, NVMe tier, demotions, epoch (gcache/server/tiers.py).
         self.tiers: TierState | None = None
+        self._beat_soon = asyncio.Event()  # a demotion batch finished: heartbeat now
         self.read_budget = ReadBudget(256 << 20)  # NVMe reply bytes read ahead
         self.read_buffers = ReadBuffers(256 << 20)  # their buffers, reused
         self.read_pool = concurrent.futures.ThreadPoolExecutor(4, "nvme-read")
@@ -323,6 +324,23 @@ class StorageServer:
                 delay = min(delay * 2, 0.5)
         return self.cfg.heartbeat_interval_s
 
+    async def _pause(self, interval: float, failing: bool) -> bool:
+        """Wait for the next heartbeat: ``interval``, or less once a demotion batch
+        finished (``TierState.on_report``): its report frees DRAM in the meta and
+        the reply carries the next batch. The loop sends one beat at a time, so at
+        most one early beat is in flight; none while the meta is unreachable. True
+        when the server is stopping."""
+        soon = self._beat_soon
+        if failing or not soon.is_set():
+            stop = asyncio.ensure_future(self._stopping.wait())
+            waits = {stop} if failing else {stop, asyncio.ensure_future(soon.wait())}
+            try:
+                await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return self._stopping.is_set()
+
     async def control_loop(self, ready: asyncio.Event) -> None:
         try:
             await self._control_loop(ready)
@@ -348,13 +366,10 @@ class StorageServer:
                     await asyncio.sleep(0)  # yield to the data path, then heartbeat
                     if self._stopping.is_set():
                         return
-                else:
-                    try:
-                        await asyncio.wait_for(self._stopping.wait(), interval)
-                        return
-                    except TimeoutError:
-                        pass
+                elif await self._pause(interval, failing):
+                    return
                 more = False
+                self._beat_soon.clear()  # this beat carries every result so far
                 beat = pb.HeartbeatRequest(
                     server_id=self.server_id,
                     incarnation=self.incarnation,
@@ -396,6 +411,7 @@ class StorageServer:
             self.server_id = f"{socket.gethostname()}:{self.port}"
         path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
         self.tiers = await TierState.open(cfg, self.server_id, path)  # off the loop
+        self.tiers.on_report = self._beat_soon.set
         self.segment = self.tiers.segment
         self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
         log.info(

@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import grpc
@@ -110,6 +110,10 @@ class TierState:
         self.reports_dropped = 0  # results past MAX_PENDING_REPORTS (meta times them out)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "nvme-write")
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Called (on the loop) when a demotion batch's results wait to be reported:
+        # the control loop heartbeats at once instead of at its next tick (A).
+        self.on_report: Callable[[], None] | None = None
+        self.early_reports = 0  # batches that asked for an early heartbeat
 
     # ---- start -------------------------------------------------------------------
 
@@ -309,6 +313,11 @@ class TierState:
         room = MAX_PENDING_REPORTS - len(self.demoted)
         self.demoted.extend(done[: max(room, 0)])
         self.reports_dropped += max(len(done) - max(room, 0), 0)
+        if done and self.on_report is not None:
+            # Report now: the meta frees the DRAM ranges only on the report, and its
+            # reply carries the next batch (the disk does not wait for a tick).
+            self.early_reports += 1
+            self.on_report()
 
     def _tier_work(
         self, drops: list[tuple[int, int]], cmds: list[StoredRecord]
@@ -441,6 +450,7 @@ class TierState:
             "epoch": self.epoch,
             "demotions": self.demotions,
             "demote_failures": self.demote_failures,
+            "early_reports": self.early_reports,
             "promotions": self.promotions,
             "promote_failures": self.promote_failures,
             "reports": self.reports,
