@@ -164,14 +164,15 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         # WatchRemovals subscribers wait on this; a removal (recorded by the core,
         # synchronously, on the loop thread) sets it once per loop pass.
         self._removal_wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_due = False
         core.removals.on_record = self._removal_recorded
 
     def _removal_recorded(self) -> None:
-        if self._wake_due or self._removal_wake is None:
+        if self._wake_due or self._removal_wake is None or self._loop is None:
             return
         self._wake_due = True
-        asyncio.get_running_loop().call_soon(self._wake_removal_watchers)
+        self._loop.call_soon_threadsafe(self._wake_removal_watchers)
 
     def _wake_removal_watchers(self) -> None:
         self._wake_due = False
@@ -425,6 +426,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         keepalive = min(max(request.keepalive_s or 10.0, 0.05), 300.0)
         if self._removal_wake is None:
             self._removal_wake = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
         try:
             yield pb.RemovalBatch(cursor=sub.cursor)
             while True:

@@ -41,7 +41,7 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from gcache import keys as keymod
-from gcache.router.index import FleetIndex, Instance
+from gcache.router.index import FleetIndex, Instance, RouterError
 
 EngineHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | int
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
@@ -252,7 +252,11 @@ class EventIngestor:
                 and ev.medium == MEDIUM_GCACHE
                 and self.pool is not None
             ):
-                index, target = self.pool, self.pool.register(instance, now)
+                try:
+                    index, target = self.pool, self.pool.register(instance, now)
+                except RouterError as exc:  # the pool index is full of instances
+                    self._reject(out, "pool", type(ev).__name__, str(exc))
+                    continue
             if isinstance(ev, BlockStored):
                 self._stored(target, ev, out, index)
             elif isinstance(ev, BlockRemoved):

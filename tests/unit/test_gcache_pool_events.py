@@ -102,3 +102,18 @@ def test_reported_blocks_are_bounded_and_a_gap_retracts_everything() -> None:
     assert table.take() == [(0, [1])], "past the bound the oldest is retracted at once"
     table.gap()
     assert table.take() == [(0, [2, 3])] and len(table) == 0
+
+
+def test_a_full_pool_index_rejects_the_event_not_the_batch() -> None:
+    cfg = RouterConfig(
+        namespace=FP.hex(), layout="llama-3-8b", block_size=BS, instances="a=http://a",
+        max_instances=1,
+    )  # fmt: skip
+    c = RouterCore(cfg, 0.0)
+    c.pool_index.register("stale", 0.0)  # the pool index's one slot is taken
+    t = toks(1, seed=4)
+    out = c.events(
+        "a", 0, batch(stored(chain(t), None, t, medium=GCACHE), stored(chain(t), None, t)), 1.0
+    )
+    assert out.applied == 1 and out.rejected and "at most 1" in out.rejected[0][1]
+    assert c.ingestor.stats()["rejected_pool"] == 1 and c.index.blocks_of("a") == 1
