@@ -45,7 +45,7 @@ from gcache.meta.records import (
 )
 from gcache.meta.tiers import Tiers
 from gcache.storage.allocator import SegmentAllocator
-from gcache.storage.columns import Columns
+from gcache.storage.columns import Columns, columns_of
 
 
 @dataclass(slots=True)
@@ -118,6 +118,9 @@ class Rebuild(Tiers):
     # objects of a server adopted while another server's report was adopted (a
     # parent arrived): added to its own ReportObjectsReply.adopted
     _credit: dict[str, int] | None = None
+    # the last chunk's records whose parent was missing: retried after the next
+    # chunk (of any server) before they are parked
+    _deferred: list[Parked] | None = None
 
     def begin_report(self, srv: ServerRecord) -> None:
         """``srv`` will report what it holds: no placement on it until it is done."""
@@ -127,13 +130,27 @@ class Rebuild(Tiers):
         if self._credit:
             self._credit.pop(srv.server_id, None)
 
+    def _reporting(self, server_id: str, incarnation: int, now: float) -> ServerRecord | None:
+        srv = self.servers.get(server_id)
+        if srv is None or not srv.alive or srv.incarnation != incarnation:
+            return None
+        srv.last_seen = now
+        return srv
+
     def report_columns(
         self, server_id: str, incarnation: int, cols: Columns, last: bool, now: float
     ) -> tuple[int, int] | None:
-        """:meth:`report_objects` of a decoded columnar chunk (in block order)."""
-        return self.report_objects(
-            server_id, incarnation, parked_from(cols), last, now, ordered=True
-        )
+        """One chunk of a server's report, decoded from columns (in block order).
+        Returns (adopted, dropped): adopted counts this server's objects adopted
+        during the call, including those that waited for a parent; None when the
+        server is not registered with this incarnation (it must re-register)."""
+        srv = self._reporting(server_id, incarnation, now)
+        if srv is None:
+            return None
+        if srv.reported is None:
+            return 0, self._reported_again(srv, parked_from(cols))
+        adopted, dropped, deferred = self._adopt_columns(srv, cols, now)
+        return self._after_chunk(srv, adopted, dropped, deferred, last, now)
 
     def report_objects(
         self,
@@ -142,67 +159,227 @@ class Rebuild(Tiers):
         records: list[Parked],
         last: bool,
         now: float,
-        ordered: bool = False,
     ) -> tuple[int, int] | None:
-        """One chunk of a server's report (``ordered``: already in block order).
-        Returns (adopted, dropped): adopted counts this server's objects adopted
-        during the call, including those parked earlier; None when the server is not
-        registered with this incarnation (it must re-register)."""
-        srv = self.servers.get(server_id)
-        if srv is None or not srv.alive or srv.incarnation != incarnation:
+        """:meth:`report_columns` for records one by one (``StoredObject``, what
+        servers before columns send, and in-process drivers)."""
+        srv = self._reporting(server_id, incarnation, now)
+        if srv is None:
             return None
-        srv.last_seen = now
-        adopted = dropped = 0
         if srv.reported is None:
-            # Reported again after its report completed (a retried stream): only
-            # what is already adopted is accepted; the rest is ignored, not freed
-            # (its range may have been placed again since).
-            for rec in records:
-                known = self.namespaces.get(rec.namespace)
-                entry = known.entries.get(rec.key) if known is not None else None
-                ok = entry is not None and rec.group < len(entry.objects)
-                have = entry.objects[rec.group] if entry is not None and ok else None
-                if have is None or have.server is not srv or have.offset != rec.offset:
-                    dropped += 1
-            return 0, dropped
-        # Parents before children: a chunk is adopted in block order. The common
-        # case (namespace known, parent known) takes no detour through the parked
-        # books (1M records: see bench/meta_rebuild.py).
-        if not ordered:
-            records.sort(key=_POS)
-        namespaces = self.namespaces
-        ns: NamespaceRecord | None = None
-        fp = b""
+            return 0, self._reported_again(srv, records)
+        good: list[Parked] = []
+        dropped = 0
         for rec in records:
-            rec.server = srv
-            rec.since = now
-            why = self._invalid(srv, rec)
-            if why:
+            k, p = rec.key, rec.parent
+            if len(k) != KEY_SIZE or (p and len(p) != KEY_SIZE) or (rec.pos == 0) != (not p):
+                rec.server, rec.since = srv, now
                 self.counters["report_invalid"] += 1
                 self._release_parked(rec)
                 dropped += 1
+            else:
+                good.append(rec)
+        good.sort(key=_POS)
+        cols = columns_of(good)
+        adopted, lost, deferred = self._adopt_columns(srv, cols, now)
+        return self._after_chunk(srv, adopted, dropped + lost, deferred, last, now)
+
+    def _reported_again(self, srv: ServerRecord, records: list[Parked]) -> int:
+        """Reported again after its report completed (a retried stream): only what
+        is already adopted is accepted; the rest is ignored, not freed (its range
+        may have been placed again since). Returns the records not accepted."""
+        dropped = 0
+        for rec in records:
+            known = self.namespaces.get(rec.namespace)
+            entry = known.entries.get(rec.key) if known is not None else None
+            ok = entry is not None and rec.group < len(entry.objects)
+            have = entry.objects[rec.group] if entry is not None and ok else None
+            if have is None or have.server is not srv or have.offset != rec.offset:
+                dropped += 1
+        return dropped
+
+    def _adopt_columns(
+        self, srv: ServerRecord, cols: Columns, now: float
+    ) -> tuple[int, int, list[Parked]]:
+        """Adopt a chunk's records (in block order) whose namespace and parent are
+        known, in one pass with no per-record helper calls (1M records: see
+        bench/meta_rebuild.py); park those waiting for their namespace, drop the
+        impossible ones. Returns (adopted, dropped, records whose parent is missing)."""
+        held = srv.reported
+        assert held is not None
+        sparked = srv.parked
+        mask = srv.allocator.align - 1
+        cap = srv.allocator.capacity
+        namespaces = self.namespaces
+        counters = self.counters
+        lbs = cols.layer_bytes
+        deferred: list[Parked] = []
+        adopted = dropped = created = nbytes = 0
+        base = now - 1.0  # recency(now, seq)
+        fp = b""
+        ns: NamespaceRecord | None = None
+        entries: dict[bytes, BlockEntry] = {}
+        layout = None
+        sizes: list[int] = []
+        nsums: list[int] = []
+        gbytes: list[int] = []
+        groups = 0
+        full: int | None = None
+        link = self._link_object
+        policy, nvme_policy = self.policy, self.nvme_policy
+        rows = zip(
+            cols.namespace,
+            cols.key,
+            cols.parent,
+            cols.pos,
+            cols.group,
+            cols.tier,
+            cols.offset,
+            cols.length,
+            cols.sums,
+            cols.seq,
+            strict=True,
+        )
+        for i, (nsf, key, pkey, pos, g, tier, off, length, sums, seq) in enumerate(rows):
+            lb = lbs[i] if lbs is not None else ()
+            if (
+                length <= 0
+                or tier > 1
+                or (
+                    tier == 0
+                    and (off & mask or off + length > cap or off in held or off in sparked)
+                )
+            ):
+                rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                counters["report_invalid"] += 1
+                self._release_parked(rec)
+                dropped += 1
                 continue
-            if rec.namespace != fp or ns is None:
-                fp = rec.namespace
+            if nsf != fp or ns is None:
+                if ns is not None:
+                    self._add_group_bytes(ns, gbytes)
+                fp = nsf
                 ns = namespaces.get(fp)
+                if ns is not None:
+                    entries = ns.entries
+                    layout = ns.layout
+                    sizes = layout.group_object_bytes
+                    nsums = [8 * len(x) for x in layout.group_layers]
+                    groups = len(nsums)
+                    gbytes = [0] * groups
+                    full = ns.full_group
             if ns is None:
+                rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                rec.layer_bytes = lb
                 self._park(rec, self.parked_ns.setdefault(fp, []))
                 continue
-            got, lost = self._adopt_known(ns, rec, now)
-            adopted += got
-            dropped += lost
+            entry = entries.get(key)
+            if entry is None:
+                parent = None
+                if pos:
+                    parent = entries.get(pkey)
+                    if parent is None or parent.pos + 1 != pos:
+                        rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                        rec.layer_bytes = lb
+                        deferred.append(rec)
+                        continue
+                entry = entries[key] = BlockEntry(key, parent, pos, groups)
+                created += 1
+                if full is not None:
+                    ns.full_holes += 1
+                if parent is not None:
+                    parent.children += 1
+            if (
+                g >= groups
+                or length != sizes[g]
+                or len(sums) != nsums[g]
+                or (lb and lb != group_layer_bytes(layout, g))
+            ):
+                rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                counters["report_invalid"] += 1
+                self._release_parked(rec)
+                self._prune(ns, entry)
+                dropped += 1
+                continue
+            have = entry.objects[g]
+            if have is not None:
+                dropped += 1
+                if have.server is srv and have.tier == tier and have.offset == off:
+                    continue  # reported again (a re-registration): already adopted
+                counters["report_duplicates"] += 1
+                self._release_parked(
+                    Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                )
+                continue
+            last = base + (seq if seq < 10**9 else 10**9) * 1e-9
+            obj = ObjectRecord(entry, g, srv, off, length, sums, last, "", tier)
+            link(ns, entry, obj)
+            nbytes += length
+            gbytes[g] += length
+            if tier == 0:
+                held[off] = obj
+            (nvme_policy if tier else policy).admit(obj, ns)
+            adopted += 1
+        if ns is not None:
+            self._add_group_bytes(ns, gbytes)
+        self.entries += created
+        self.live_objects += adopted  # _count_in, less the tenant (a reported object has none)
+        self.live_bytes += nbytes
+        return adopted, dropped, deferred
+
+    def _add_group_bytes(self, ns: NamespaceRecord, gbytes: list[int]) -> None:
+        names = ns.layout.group_names
+        for g, n in enumerate(gbytes):
+            if n:
+                self.group_bytes[names[g]] += n
+                gbytes[g] = 0
+
+    def _after_chunk(
+        self,
+        srv: ServerRecord,
+        adopted: int,
+        dropped: int,
+        deferred: list[Parked],
+        last: bool,
+        now: float,
+    ) -> tuple[int, int]:
+        """After a chunk's own records: retry the previous chunk's records that
+        waited for a parent (parking those still waiting), retry the parked ones
+        when due, complete the report on ``last``."""
         self.counters["objects_adopted"] += adopted
-        self._since_retry += len(records)
+        self._since_retry += adopted + len(deferred)
+        prev, self._deferred = self._deferred, deferred
+        if prev:
+            self._retry_deferred(prev, now)
+        if last and self._deferred:
+            now_due, self._deferred = self._deferred, None
+            self._retry_deferred(now_due, now)
         if self.parked_parent:
             waiting = self._waiting_parents()
             if last or waiting <= RETRY_EAGER or self._since_retry >= waiting:
                 self._retry_parents(now)
         if self._credit:
-            adopted += self._credit.pop(server_id, 0)
+            adopted += self._credit.pop(srv.server_id, 0)
         if last and srv.reported is not None:
             self._complete(srv)
         self.counters["objects_report_dropped"] += dropped
         return adopted, dropped
+
+    def _retry_deferred(self, recs: list[Parked], now: float) -> None:
+        """Records of one chunk (block order) that missed their parent: adopt those
+        whose parent came since, park the others."""
+        credit = self._credit if self._credit is not None else {}
+        n = 0
+        for rec in recs:
+            srv = rec.server
+            ns = self.namespaces.get(rec.namespace)
+            if srv is None or not srv.alive or ns is None:
+                continue
+            got = self._adopt_known(ns, rec, now)[0]
+            if got:
+                n += got
+                credit[srv.server_id] = credit.get(srv.server_id, 0) + got
+        self._credit = credit
+        self.counters["objects_adopted"] += n
 
     def _waiting_parents(self) -> int:
         return sum(len(v) for v in self.parked_parent.values())
@@ -246,8 +423,15 @@ class Rebuild(Tiers):
         return n
 
     def _adopt_known(self, ns: NamespaceRecord, rec: Parked, now: float) -> tuple[int, int]:
-        """Adopt a valid record of a known namespace, creating its entry under its
-        parent; park it while its parent is unknown. Returns (adopted, dropped)."""
+        """Adopt a record of a known namespace (not on the parked books), creating
+        its entry under its parent; park it while its parent is unknown. Returns
+        (adopted, dropped)."""
+        srv = rec.server
+        assert srv is not None
+        if self._clash(srv, rec):
+            self.counters["report_invalid"] += 1
+            self._release_parked(rec)
+            return 0, 1
         entries = ns.entries
         entry = entries.get(rec.key)
         if entry is None:
@@ -268,21 +452,15 @@ class Rebuild(Tiers):
             return 1, 0
         return 0, 1
 
-    def _invalid(self, srv: ServerRecord, rec: Parked) -> str:
-        if len(rec.key) != KEY_SIZE or (rec.parent and len(rec.parent) != KEY_SIZE):
-            return "bad key"
-        if (rec.pos == 0) != (not rec.parent):
-            return "block 0 has no parent, every other block has one"
-        if rec.length <= 0 or rec.tier not in (0, 1):
-            return "bad length or tier"
-        if rec.tier == 0:
-            align = srv.allocator.align
-            if rec.offset % align or rec.offset + rec.length > srv.allocator.capacity:
-                return "outside the segment"
-            held = srv.reported if srv.reported is not None else {}
-            if rec.offset in held or rec.offset in srv.parked:
-                return "a second object at one offset"
-        return ""
+    @staticmethod
+    def _clash(srv: ServerRecord, rec: Parked) -> bool:
+        """A DRAM record at an offset another reported record holds (one not on the
+        parked books: records waiting for a parent are checked again)."""
+        if rec.tier != 0:
+            return False
+        held = srv.reported if srv.reported is not None else {}
+        other = srv.parked.get(rec.offset)
+        return rec.offset in held or (other is not None and other is not rec)
 
     def _park(self, rec: Parked, where: list[Parked]) -> None:
         where.append(rec)
@@ -359,33 +537,25 @@ class Rebuild(Tiers):
 
     def _complete(self, srv: ServerRecord) -> None:
         """The report of ``srv`` is complete: build its allocator with every
-        reported DRAM range (adopted or parked) used, then open it for placement."""
+        reported DRAM range (adopted or parked) used, from the gaps between them
+        (no allocation per range), then open it for placement."""
         reported = srv.reported
         assert reported is not None
-        ranges: list[tuple[int, int, ObjectRecord | Parked]] = [
-            (off, o.length, o) for off, o in reported.items()
-        ]
-        ranges += [(off, p.length, p) for off, p in srv.parked.items()]
-        ranges.sort(key=lambda r: r[0])
-        cap = srv.allocator.capacity
-        alloc = SegmentAllocator(cap, srv.allocator.align)
-        mask = alloc.align - 1
-        gaps: list[int] = []
+        ranges = [(off, o.length) for off, o in reported.items()]
+        ranges += [(off, p.length) for off, p in srv.parked.items()]
+        ranges.sort()
+        mask = srv.allocator.align - 1
+        used: list[tuple[int, int]] = []
         cursor = 0
         overlapping: list[ObjectRecord | Parked] = []
-        for off, length, what in ranges:
+        for off, length in ranges:
             if off < cursor:
-                overlapping.append(what)
+                mine = reported.get(off)
+                overlapping.append(mine if mine is not None else srv.parked[off])
                 continue
-            if off > cursor:
-                gap = alloc.alloc(off - cursor)
-                assert gap == cursor
-                gaps.append(gap)
-            got = alloc.alloc(length)
-            assert got == off
+            used.append((off, length))
             cursor = off + ((length + mask) & ~mask)
-        for gap in gaps:
-            alloc.free(gap)
+        alloc = SegmentAllocator.with_used(srv.allocator.capacity, srv.allocator.align, used)
         for p in srv.parked.values():
             p.allocated = True
         srv.allocator = alloc
@@ -433,7 +603,12 @@ class Rebuild(Tiers):
         return sum(1 for r in self.parked_all.values() if r.server is srv) if srv else 0
 
     def expire_parked(self, now: float) -> None:
-        """Free parked records older than ``parked_ttl_s``."""
+        """Free parked records older than ``parked_ttl_s``; park the records that
+        waited a second for a next chunk that did not come."""
+        due = self._deferred
+        if due and due[0].since < now - 1.0:
+            self._deferred = None
+            self._retry_deferred(due, now)
         cutoff = now - self.cfg.parked_ttl_s
         parked = self.parked_all
         while parked:

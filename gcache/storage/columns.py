@@ -52,6 +52,25 @@ class Columns:
         return len(self.key)
 
 
+def columns_of(records: Sequence[Any]) -> Columns:
+    """Records with the attributes of :class:`StoredRecord` (already checked and in
+    block order) as :class:`Columns`."""
+    lbs = [r.layer_bytes for r in records]
+    return Columns(
+        namespace=[r.namespace for r in records],
+        key=[r.key for r in records],
+        parent=[r.parent for r in records],
+        pos=[r.pos for r in records],
+        group=[r.group for r in records],
+        tier=[r.tier for r in records],
+        offset=[r.offset for r in records],
+        length=[r.length for r in records],
+        sums=[r.sums for r in records],
+        seq=[r.seq for r in records],
+        layer_bytes=lbs if any(lbs) else None,
+    )
+
+
 def encode(records: Sequence[StoredRecord]) -> Any:
     """``records`` as one ``StoredColumns`` message."""
     n = len(records)

@@ -132,3 +132,42 @@ def test_a_refused_chunk_adopts_nothing_and_the_next_good_one_still_does() -> No
     got = core.report_columns("s0", 1, columns.decode(columns.encode(recs)), True, 1.0)
     assert got == (len(recs), 0)
     assert core.stats()["objects"] == len(recs)
+
+
+def test_allocator_from_used_ranges_matches_one_allocation_per_range() -> None:
+    """A rebuilt server's allocator is made from the gaps between its reported
+    ranges (SegmentAllocator.with_used): the same books as allocating each range."""
+    from gcache.storage.allocator import SegmentAllocator
+
+    rng = random.Random(3)
+    cap, align = (1 << 24) + 1000, 4096
+    used: list[tuple[int, int]] = []
+    off = 0
+    while True:
+        off += rng.choice((0, 0, 4096, 3 * 4096))
+        size = rng.randrange(1, 5 * 4096)
+        if off + size > cap - 4096 * 4:
+            break
+        used.append((off, size))
+        off += (size + align - 1) // align * align
+    fast = SegmentAllocator.with_used(cap, align, used)
+    slow = SegmentAllocator(cap, align)
+    cursor, gaps = 0, []
+    for o, n in used:
+        if o > cursor:
+            gaps.append(slow.alloc(o - cursor))
+        assert slow.alloc(n) == o
+        cursor = o + (n + align - 1) // align * align
+    for g in gaps:
+        assert g is not None
+        slow.free(g)
+    assert list(fast.free_ranges()) == list(slow.free_ranges())
+    assert (fast.used, fast.live, fast.capacity) == (slow.used, slow.live, slow.capacity)
+    assert fast.largest_free() == slow.largest_free()
+    for o, _ in used[::2]:
+        fast.free(o)
+        slow.free(o)
+    assert list(fast.free_ranges()) == list(slow.free_ranges())
+    assert fast.alloc(8192) == slow.alloc(8192)
+    with pytest.raises(ValueError):
+        SegmentAllocator.with_used(cap, align, [(0, 8192), (4096, 4096)])
