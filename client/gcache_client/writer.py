@@ -215,6 +215,8 @@ class Writer:
         segment itself: the server consumes their grants (as a ``WRITE`` would) and
         returns receipts. Placement index -> receipt; a refused or failed seal
         leaves its objects out (the put stores fewer, the meta reclaims them)."""
+        if not shm_done:  # every object went over TCP (WRITE answered its receipt)
+            return {}
         by_server: dict[int, list[int]] = {}
         for pi in shm_done:
             by_server.setdefault(placed.placements[pi].server, []).append(pi)

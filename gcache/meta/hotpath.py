@@ -109,6 +109,14 @@ def key_count_check(max_keys: int) -> BodyCheck:
 
     def check(head: wire.FrameHead, body: memoryview) -> None:
         if head.msg_type == wire.T_LOOKUP or head.msg_type == wire.T_PUT_BEGIN:
+            # Fast path for the shape every client sends (a fixarray whose field 0
+            # is a 16-byte bin namespace): a key list of at most 15 (a fixarray at
+            # offset 19) is read off one byte; the generic peek was ~7 % of the
+            # meta's CPU per 1 MiB read.
+            if len(body) > 19 and 0x90 <= body[0] <= 0x9F and body[1] == 0xC4 and body[2] == 16:
+                b = body[19]
+                if 0x90 <= b <= 0x9F and b & 0x0F <= max_keys:
+                    return
             n = peek_array_field(body, 1)
             if n is not None and n > max_keys:
                 raise InvalidBody(f"{n} keys exceed max_keys_per_request ({max_keys})")

@@ -1,14 +1,20 @@
 """Coalesced frames (issue 12, round two), without daemons: the parser tells a
 whole buffered frame from a partial one, queued frames go out ahead of the next
 send in one ``sendmsg`` and in order (also after a partial send), and lease ids
-come from a batched CSPRNG draw."""
+come from a batched CSPRNG draw; the meta's key-count check keeps refusing every
+over-long key list on its fast path."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
+import msgspec
+import pytest
+
 from gcache import wire
+from gcache.errors import InvalidBody
+from gcache.meta.hotpath import key_count_check
 from gcache.meta.leases import IdSource
 from gcache.transport.framing import FrameParser
 from gcache.transport.stream import FrameStream
@@ -129,3 +135,26 @@ def test_lease_ids_are_random_nonzero_and_skip_taken_ones() -> None:
     assert len(seen) == 2000 and 0 not in seen and max(seen) >= 1 << 60
     taken = set(seen)
     assert src.next(taken) not in taken
+
+
+def test_key_count_fast_path_still_refuses_every_over_long_list() -> None:
+    """The meta's key-count check reads a short key list off one byte of the shape
+    clients send; lists over the bound, forged headers and other shapes still go
+    through the generic peek and are refused."""
+    ns, key = b"\x01" * 16, b"\x02" * 16
+
+    def run(max_keys: int, msg: wire.Msg, body: bytes | None = None) -> None:
+        raw = msgspec.msgpack.encode(msg) if body is None else body
+        head = wire.parse_header(wire.pack_frame(msg)[: wire.HEADER_SIZE])
+        key_count_check(max_keys)(head, memoryview(raw))
+
+    run(4, wire.Lookup(ns, [key] * 4, True))
+    run(4, wire.PutBegin(ns, [key] * 4, [1] * 4))
+    body = msgspec.msgpack.encode(wire.Lookup(ns, [key]))
+    assert body[19] == 0x91  # the key list where the fast path looks for it
+    for max_keys, n in ((4, 5), (14, 15), (15, 16), (64, 65)):
+        with pytest.raises(InvalidBody, match="max_keys_per_request"):
+            run(max_keys, wire.Lookup(ns, [key] * n, True))
+    forged = b"\x94\xc4\x10" + ns + b"\xdd\xff\xff\xff\xff" + b"\xc4\x10" + key
+    with pytest.raises(InvalidBody, match="max_keys_per_request"):
+        run(64, wire.Lookup(ns, [key]), forged)
