@@ -271,7 +271,6 @@ class MetaConfig:
         default=256,
     )
 
-
     @property
     def max_body_bytes(self) -> int:
         return parse_size(self.max_body)
@@ -398,10 +397,23 @@ class ServerConfig:
         "and checksums decide what is kept); off: DRAM starts empty",
         default=True,
     )
+    # -- issue 10 round four: staging area for same-host tier-1 reads (server/staging.py) --
+    staging_size: str = _doc(
+        "tmpfs staging file (in shm_dir) that NVMe objects are read into for clients on "
+        "this host; 0 = off (they read over TCP)",
+        default="128MiB",
+    )
+    staging_ttl_s: float = _doc(
+        "a staging range not given back by its client within this is freed", default=10.0
+    )
 
     @property
     def max_body_bytes(self) -> int:
         return parse_size(self.max_body)
+
+    @property
+    def staging_size_bytes(self) -> int:
+        return parse_size(self.staging_size)
 
     @property
     def capacity_bytes(self) -> int:
@@ -431,6 +443,16 @@ class ServerConfig:
             )
         if nvme and not self.nvme_path:
             raise ConfigError("server.nvme_size needs server.nvme_path (--nvme-path DIR)")
+        try:
+            staging = self.staging_size_bytes
+        except ConfigError as exc:
+            raise ConfigError(f"server.staging_size: {exc}") from exc
+        if staging % 4096:
+            raise ConfigError(
+                f"server.staging_size must be a multiple of 4KiB, got {self.staging_size!r}"
+            )
+        if not self.staging_ttl_s > 0:
+            raise ConfigError(f"server.staging_ttl_s must be positive, got {self.staging_ttl_s}")
 
 
 @dataclass(frozen=True)

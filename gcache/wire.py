@@ -54,6 +54,10 @@ T_REPORT_LOAD: Final = 43
 # A server's own counters (its ``stats()``: read buffers, pipelined NVMe replies).
 T_SERVER_STATS: Final = 15
 T_SERVER_STATS_REPLY: Final = 16
+# Tier-1 reads through the server's staging file (same host; gcache/server/staging.py).
+T_READ_STAGED: Final = 17
+T_STAGED: Final = 18
+T_UNSTAGE: Final = 19
 
 
 # A block key (gcache.keys.KEY_SIZE bytes), checked by the decoder in C: a lookup of
@@ -284,6 +288,29 @@ class ServerStatsReply(Msg):
     values: dict[str, float]
 
 
+class ReadStaged(Msg):
+    """A ``READ`` of tier-1 ranges whose bytes the server reads into its staging
+    file instead of the reply (answered ``STAGED``)."""
+
+    grants: list[Grant]
+    ranges: list[tuple[int, int, int]]
+
+
+class Staged(Msg):
+    """Where a ``READ_STAGED`` landed: the staging file (``path``, mapped by the
+    client) and each range's offset in it; copy nothing after ``expiry_ms`` and give
+    ``stage_id`` back with ``UNSTAGE``."""
+
+    stage_id: int
+    path: str
+    offsets: list[int]
+    expiry_ms: int
+
+
+class Unstage(Msg):
+    stage_ids: list[int]
+
+
 BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_ERROR: Error,
     T_OK: Ok,
@@ -307,6 +334,9 @@ BODY_TYPES: Final[dict[int, type[Msg]]] = {
     T_REPORT_LOAD: ReportLoad,
     T_SERVER_STATS: ServerStats,
     T_SERVER_STATS_REPLY: ServerStatsReply,
+    T_READ_STAGED: ReadStaged,
+    T_STAGED: Staged,
+    T_UNSTAGE: Unstage,
 }
 TYPE_OF: Final[dict[type[Msg], int]] = {v: k for k, v in BODY_TYPES.items()}
 _DECODERS: Final = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}

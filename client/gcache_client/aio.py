@@ -41,9 +41,17 @@ from gcache_client import arrays
 from gcache_client.conn import PipelinedConn, gather_or_cancel
 from gcache_client.layers import LayerReads, LayerStream
 from gcache_client.leases import ReleaseBatcher
-from gcache_client.plans import OFFLOAD_BYTES, copy_verify, halves, plan_layer, verify
+from gcache_client.plans import (
+    OFFLOAD_BYTES,
+    ServerPlan,
+    copy_verify,
+    halves,
+    plan_layer,
+    verify,
+)
 from gcache_client.pool import ConnectionPool
 from gcache_client.router import AsyncRouterClient
+from gcache_client.staged import StagingMaps, read_staged
 from gcache_client.tiers import best_cut
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 from gcache_client.writer import Writer
@@ -64,6 +72,7 @@ class AsyncGCacheClient:
         self.config.check()
         self.as_torch = as_torch
         self.pool = ConnectionPool(self.config)
+        self.staging = StagingMaps()  # local servers' staging files (tier-1 reads)
         self._releases = ReleaseBatcher(self._meta_call)
         self._writer = Writer(self, self.pool)
         self._closed = False
@@ -96,6 +105,7 @@ class AsyncGCacheClient:
         if self.router is not None:
             await self.router.close()
         await self.pool.close()
+        self.staging.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -376,6 +386,8 @@ class AsyncGCacheClient:
             addr = match.servers[si >> 1]  # si: plan_key(server, tier)
             seg = self.pool.mapped(addr) if not si & 1 else None
             if seg is None:
+                if si & 1 and await self._read_staged(addr, sp, big, layer):
+                    continue  # a local server's NVMe object, through its staging file
                 remote[si] = await self.pool.server(addr)
                 if si & 1:
                     self.counters["bytes_read_nvme"] += sp.nbytes
@@ -457,8 +469,28 @@ class AsyncGCacheClient:
         self.counters[kind] += 1
         log.warning("read failed, treating as a miss: %s", exc)
 
+    async def _read_staged(
+        self, addr: wire.ServerAddr, sp: ServerPlan, big: bool, layer: int
+    ) -> bool:
+        """Tier-1 objects of a server on this host (its segment is mapped) through
+        its staging file (:mod:`gcache_client.staged`); False: read them over TCP."""
+        if self.pool.mapped(addr) is None:
+            return False
+        if big:
+            await self.pool.offload(sp.materialize)
+        conn = await self.pool.server(addr)
+        offload = self.pool.offload if big else None
+        timeout = self.config.timeout_s
+        ok = await read_staged(conn, addr.server_id, sp, self.staging, offload, timeout)
+        if ok is None:
+            return False
+        if not ok:
+            raise IntegrityError(f"layer {layer}: checksum mismatch")
+        self.counters["bytes_read_nvme"] += sp.nbytes
+        return True
+
     def stats(self) -> dict[str, int]:
-        out = {**self.counters, **self.pool.stats()}
+        out = {**self.counters, **self.pool.stats(), **self.staging.stats()}
         if self.router is not None:
             out.update({f"router_{k}": v for k, v in self.router.stats().items()})
         return out

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Final
 
 from gcache import wire
-from gcache.errors import E_INTERNAL, ConnectionLost
+from gcache.errors import E_BAD_REQUEST, E_BUSY, E_INTERNAL, ConnectionLost
+from gcache.server.staging import StagingArea
 from gcache.server.tiered import (
     READ_BATCH,
     Chunk,
@@ -299,6 +301,45 @@ class NvmeReplies:
             await self.stream.send_views(batch)
         else:
             await self.stream.send_msg(wire.ReadData(total), job.req_id, batch, total)
+
+
+async def read_staged(
+    reply: TieredReadReply,
+    staging: StagingArea,
+    executor: concurrent.futures.Executor,
+    owner: int,
+    piece: int = PIECE,
+) -> wire.Msg:
+    """Serve a ``READ_STAGED``: read the reply's tier-1 ranges from NVMe into a
+    range of the staging file owned by ``owner`` (pieces in parallel on the disk
+    threads) and answer where each landed (``STAGED``), or an ``ERROR`` (no room:
+    the client reads over TCP instead; a disk error)."""
+    if not reply.all_tier1:
+        return wire.Error(E_BAD_REQUEST, "READ_STAGED is for tier-1 ranges only")
+    span = reply.span()
+    got = staging.stage(owner, span, time.monotonic())
+    if got is None:
+        return wire.Error(E_BUSY, "the staging area is full: read over TCP")
+    rid, base = got
+    expiry_ms = int((time.time() + staging.ttl_s) * 1000)
+    pieces, _ = reply.plan_pieces(staging.view[base : base + span], piece)
+    loop = asyncio.get_running_loop()
+    futs = [loop.run_in_executor(executor, _read_piece, *p) for p in pieces]
+    try:
+        await asyncio.gather(*futs)
+    except OSError as exc:
+        staging.release(owner, rid)
+        return wire.Error(E_INTERNAL, f"NVMe read failed: {exc}")
+    except BaseException:
+        # the range stays owned until its pieces finished: freed when the
+        # connection closes (release_owner) after they ran, or when it expires
+        for f in futs:
+            f.cancel()
+        raise
+    finally:
+        reply.release()
+    offsets = [base + o for o in reply.buffer_offsets()]
+    return wire.Staged(rid, staging.path, offsets, expiry_ms)
 
 
 def new_counters() -> dict[str, int]:

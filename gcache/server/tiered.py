@@ -254,6 +254,19 @@ class TieredReadReply:
             tier.read_bytes += n
         return pieces, chunks
 
+    def buffer_offsets(self) -> list[int]:
+        """Where each tier-1 range lands in the buffer :meth:`plan_pieces` fills."""
+        out: list[int] = []
+        pos = 0
+        for _f, _start, span, skip in self._tier._spans(self.tier1_ranges()):
+            out.append(pos + skip)
+            pos += (span + BLOCK - 1) // BLOCK * BLOCK
+        return out
+
+    @property
+    def all_tier1(self) -> bool:
+        return all(self._tiers)
+
     def batches(self, size: int = READ_BATCH) -> Iterator[list[memoryview]]:
         assert self._buf is not None or not self.nvme_bytes, "load() first"
         seg = self._seg

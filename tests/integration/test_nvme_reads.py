@@ -33,6 +33,7 @@ PIECE = MiB  # gcache.server.nvme_reads.PIECE
 # in all. K and V are read as separate spans, V from an unaligned offset.
 SIZES = [(17, 61681, 1), (17, 61681, 61682), (129, 65025, 65041)]
 BIG = SIZES[2]
+TTL = 2.0  # the servers' staging_ttl_s here
 
 
 def layout(h: int, k: int, v: int) -> LayoutSpec:
@@ -60,7 +61,7 @@ def deployment(tmp_path: Path) -> Iterator[LocalDeployment]:
         servers=1,
         capacity="96MiB",
         meta_args=[*WATERMARKS, "--max-pending-per-client", "0.9", "--max-pending-total", "0.9"],
-        server_args=["--heartbeat-interval-s", "0.1"],
+        server_args=["--heartbeat-interval-s", "0.1", "--staging-ttl-s", str(TTL)],
         nvme_size="768MiB",
     ) as d:
         d.start()
@@ -168,12 +169,28 @@ def test_tier1_reads_byte_exact_across_pieces_and_pipelined(
 
     assert all(asyncio.run(together()))
     after = server_stats(port)
-    # New behaviour: pieces of at most 1 MiB, READs started while another is sent.
+    # New behaviour: pieces of at most 1 MiB; over TCP, READs started while another
+    # is sent; on the same host (shm), every tier-1 read through the staging file.
     pieces = after["nvme_read_pieces"] - before["nvme_read_pieces"]
-    assert pieces >= 3 * 2 * sum(-(-h * k // PIECE) + -(-h * v // PIECE) for h, k, v in SIZES)
-    assert after["nvme_replies_ahead"] > before["nvme_replies_ahead"]
+    need = 3 * 2 * sum(-(-h * k // PIECE) + -(-h * v // PIECE) for h, k, v in SIZES)
+    if transport == "tcp":
+        assert pieces >= need
+        assert after["nvme_replies_ahead"] > before["nvme_replies_ahead"]
+        assert after["staged_reads"] == 0
+    else:
+        # 18 reads of up to 16 MiB at once on one connection: past the connection's
+        # share of the staging area a read is refused and goes over TCP instead.
+        staged = after["staged_reads"] - before["staged_reads"]
+        refused = after["staging_refused"] - before["staging_refused"]
+        assert staged > 0 and staged + refused == 3 * len(objs), (staged, refused)
+        assert before["staged_reads"] == len(objs)  # one at a time: all staged
+        assert client.stats()["staged_reads"] == len(objs)
+        assert client.stats()["bytes_read_staged"] == sum(
+            a.nbytes + b.nbytes for _, _, ((a, b),) in objs
+        )
     assert after["nvme_replies_queued"] == 0
     assert after["nvme_read_buffers_lent_bytes"] == 0
+    assert after["staging_used_bytes"] == 0 and after["staging_ranges"] == 0
     client.close()
 
 
@@ -181,9 +198,12 @@ def _tier_files(d: LocalDeployment) -> list[Path]:
     return [p for p in d.nvme_dir(0).rglob("*") if p.is_file() and p.stat().st_size > MiB]
 
 
-def test_corrupted_nvme_byte_past_the_first_piece_is_a_miss(deployment: LocalDeployment) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_corrupted_nvme_byte_past_the_first_piece_is_a_miss(
+    deployment: LocalDeployment, transport: str
+) -> None:
     d = deployment
-    client = GCacheClient(d.client_config(transport="tcp"))
+    client = GCacheClient(d.client_config(transport=transport))
     ns = client.register_namespace("nvme-reads-corrupt", layout(*BIG))
     data = kv(*BIG, 5)
     put(client, ns, 0, data)
@@ -208,6 +228,8 @@ def test_corrupted_nvme_byte_past_the_first_piece_is_a_miss(deployment: LocalDep
     assert client.get(m) is None  # checksum mismatch: a miss, never wrong bytes
     client.release(m)
     assert client.stats()["integrity_errors"] >= 1
+    if transport == "shm":
+        assert client.stats()["staged_reads"] == 1  # through the staging file
     client.close()
 
 
@@ -254,4 +276,73 @@ def test_disconnect_mid_tier1_reads_gives_back_buffers_and_budget(
     got = client.get(m)  # the server still serves tier-1 reads
     client.release(m)
     assert got is not None and np.array_equal(np.asarray(got[0].k), kv(*BIG, 0)[0][0])
+    client.close()
+
+
+def _staged(sock: socket.socket, m: Any) -> wire.Staged:
+    loc = next(iter(m.objects.values()))
+    g = loc.grant
+    half = g.length // 2
+    msg = wire.ReadStaged([g], [(0, g.offset, half), (0, g.offset + half, half)])
+    sock.sendall(wire.pack_frame(msg, 1))
+    _, body, _ = rawwire.recv_frame(sock)
+    assert isinstance(body, wire.Staged), body
+    return body
+
+
+def _staged_object(d: LocalDeployment, client: GCacheClient) -> tuple[Any, int]:
+    ns = client.register_namespace("nvme-reads-staging", layout(*SIZES[1]))
+    put(client, ns, 0, kv(*SIZES[1], 0))
+    demote(client, d, [(ns, 0)])
+    m = client.match(ns, toks(0))
+    return m, m.servers[0].port
+
+
+def test_staging_range_never_released_expires(deployment: LocalDeployment) -> None:
+    """A client that takes a staged read and never sends UNSTAGE (its connection
+    stays open) holds its range only for staging_ttl_s."""
+    d = deployment
+    client = GCacheClient(d.client_config(transport="tcp"))
+    m, port = _staged_object(d, client)
+    sock = rawwire.connect(port)
+    staged = _staged(sock, m)
+    with open(staged.path, "rb") as fh:  # the bytes are there, in the staging file
+        fh.seek(staged.offsets[0])
+        want = kv(*SIZES[1], 0)[0][0].tobytes()
+        assert fh.read(4096) == want[:4096]
+    held = server_stats(port)
+    assert held["staging_ranges"] == 1 and held["staging_used_bytes"] > 0, held
+    time.sleep(TTL + 0.5)
+    after = server_stats(port)
+    assert after["staging_ranges"] == 0 and after["staging_used_bytes"] == 0, after
+    assert after["staging_expired"] == held["staging_expired"] + 1
+    sock.sendall(wire.pack_frame(wire.Unstage([staged.stage_id]), 2))
+    _, body, _ = rawwire.recv_frame(sock)
+    assert body == wire.Ok(0)  # nothing left to give back
+    sock.close()
+    client.release(m)
+    client.close()
+
+
+def test_staging_ranges_of_a_closed_connection_are_freed(deployment: LocalDeployment) -> None:
+    d = deployment
+    client = GCacheClient(d.client_config(transport="tcp"))
+    m, port = _staged_object(d, client)
+    sock = rawwire.connect(port)
+    for _ in range(3):
+        _staged(sock, m)
+    held = server_stats(port)
+    assert held["staging_ranges"] == 3, held
+    other = rawwire.connect(port)  # another connection cannot give them back
+    other.sendall(wire.pack_frame(wire.Unstage([1, 2, 3]), 1))
+    assert rawwire.recv_frame(other)[1] == wire.Ok(0)
+    other.close()
+    sock.close()
+    deadline = time.monotonic() + 5
+    while (after := server_stats(port))["staging_ranges"]:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    assert after["staging_used_bytes"] == 0
+    assert after["staging_freed_on_close"] == held["staging_freed_on_close"] + 3
+    client.release(m)
     client.close()
