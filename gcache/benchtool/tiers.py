@@ -1,13 +1,15 @@
 """``gcache-bench write|read --tier nvme``: the NVMe tier through a running server.
 
-* ``write``: objects of SIZE are put through the client into a small DRAM segment,
-  kept under 70 % full (a put that finds DRAM full evicts rather than demotes);
-  above its high watermark (0.5 in a ``--local`` run) the meta demotes them and
-  the server copies them to its NVMe tier (``O_DIRECT`` appends, one
-  ``fdatasync`` per heartbeat's batch). The bandwidth is the meta's
+* ``write``: objects of SIZE are put through the client, back to back with no
+  pacing, into a small DRAM segment. Above its demote watermark (0.1 in a
+  ``--local`` run) the meta demotes them continuously and the server copies them
+  to its NVMe tier (``O_DIRECT`` appends, one ``fdatasync`` per batch, each batch
+  reported at once); a put that finds DRAM full waits in the meta for the
+  demotions in flight (``meta.put_wait_s``). The bandwidth is the meta's
   ``demoted_bytes`` counter over the time it grew: from the last sample before
   the first demotion was reported to the first sample with the final value
-  (sampled every 20 ms, so the interval is never shorter than the real one).
+  (sampled every 20 ms, so the interval is never shorter than the real one). The
+  row also says how many puts waited and whether anything was evicted.
 * ``read``: the same fill (untimed), then every object the meta lists on tier 1 is
   read back through the client over TCP (``match`` with a lease, the server's
   ``O_DIRECT`` read into a pooled buffer, the reply, the checksum check,
@@ -29,8 +31,9 @@ from gcache.benchtool.stats import Progress, Samples
 from gcache_client import AsyncGCacheClient, Namespace
 
 Stats = Callable[[], dict[str, float]]  # the meta's counters (GetStats)
-PACE = 0.7  # fill DRAM up to this fraction (watermarks of the local run: 0.5 / 0.2)
-WATERMARKS = ["--high-watermark", "0.5", "--low-watermark", "0.2"]
+# Meta settings of the local run: demote continuously above 10 % of DRAM, so most
+# of the segment holds demotions in flight and room for the puts arriving.
+WATERMARKS = ["--high-watermark", "0.9", "--low-watermark", "0.5", "--demote-watermark", "0.1"]
 
 
 def default_count(size: int) -> int:
@@ -39,11 +42,17 @@ def default_count(size: int) -> int:
 
 
 async def fill(
-    client: AsyncGCacheClient, size: int, count: int, stats: Stats, timeout: float = 300.0
+    client: AsyncGCacheClient,
+    size: int,
+    count: int,
+    stats: Stats,
+    timeout: float = 300.0,
+    qd: int = 1,
 ) -> tuple[Namespace, list[tuple[float, float]]]:
-    """Put ``count`` objects (retrying a put refused for room while demotions make
-    it), then wait for the demotions to finish; returns the namespace and the
-    ``(time, demoted_bytes)`` samples taken meanwhile."""
+    """Put ``count`` objects back to back, ``qd`` puts in flight (a put that found no
+    room at all is retried; none should be), then wait for the demotions to finish;
+    returns the namespace and the ``(time, demoted_bytes)`` samples taken
+    meanwhile."""
     spec = raw_layout(size)
     ns = await client.register_namespace(f"gcache-bench/nvme/{uuid.uuid4()}", spec)
     kv = raw_kv(spec, 1)
@@ -61,27 +70,24 @@ async def fill(
     task = asyncio.create_task(sampler())
     deadline = time.monotonic() + timeout
     progress = Progress(f"fill {size}", count)
-    c0 = await asyncio.to_thread(stats)
-    capacity = c0.get("capacity", 0.0)
-    # A put that finds DRAM full makes room by evicting (dropping), not demoting:
-    # keep DRAM under PACE of its capacity (above the bench's high watermark, so
-    # demotions run) and let the demotions drain it.
-    step = max(1, int(capacity * 0.05) // size)
-    try:
-        for i in range(count):
-            if capacity and i % step == 0:
-                while (await asyncio.to_thread(stats)).get("used", 0.0) > PACE * capacity:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("DRAM did not drain: are demotions on?")
-                    await asyncio.sleep(0.01)
+    todo = iter(range(count))
+    stored = 0
+
+    async def putter() -> None:
+        nonlocal stored
+        for i in todo:
             while True:
                 res = await client.put(ns, batch_tokens(i, 1), kv)
                 if res.ok and res.stored + res.deduped == 1:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"could not store object {i} in {timeout:.0f} s: {res}")
-                await asyncio.sleep(0.01)  # DRAM full until the next demotions report
-            progress.update(i + 1)
+                await asyncio.sleep(0.01)
+            stored += 1
+            progress.update(stored)
+
+    try:
+        await asyncio.gather(*(putter() for _ in range(max(1, qd))))
         progress.close()
         await asyncio.sleep(0.3)  # the last puts' demotions get issued
         done.set()
@@ -159,14 +165,21 @@ async def run_nvme(args: dict[str, Any], stats: Stats) -> tuple[Samples | None, 
     cfg = args["client"]
     size, count = args["size"], args["count"]
     async with AsyncGCacheClient(cfg) as client:
-        ns, samples = await fill(client, size, count, stats)
+        # write: ``--qd`` puts in flight feed the demotions; read: one (untimed)
+        ns, samples = await fill(
+            client, size, count, stats, qd=args["qd"] if args["op"] == "write" else 1
+        )
         nbytes, secs, gbps = demotion_rate(samples)
+        c = await asyncio.to_thread(stats)
         extra: dict[str, Any] = {
             "tier": "nvme",
             "objects": count,
             "demoted_bytes": int(nbytes),
             "demotion_s": round(secs, 4),
             "demotion_gbps": gbps,
+            # puts that waited for demotions in flight; anything dropped instead
+            "puts_waited": int(c.get("puts_waited", 0)),
+            "evictions": int(c.get("evictions", 0)),
         }
         if args["op"] == "write":
             return None, extra

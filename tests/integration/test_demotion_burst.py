@@ -7,6 +7,9 @@ objects. Every prompt then hits in full and reads back byte-exact."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from gcache.cli.deploy import LocalDeployment
@@ -14,6 +17,7 @@ from gcache_client import GCacheClient
 from tests.kvdata import assert_layers_match, make_kv, tiny_hybrid, tokens
 
 NTOK = 4 * 64  # 64 blocks: 66 objects of 4 KiB a prompt (about 264 KiB)
+MIB = 1 << 20
 
 
 def test_unpaced_burst_of_3x_dram_demotes_instead_of_dropping(tmp_path: Path) -> None:
@@ -57,3 +61,20 @@ def test_unpaced_burst_of_3x_dram_demotes_instead_of_dropping(tmp_path: Path) ->
             f"evictions {after['evictions']:.0f}"
         )
         client.close()
+
+
+def test_bench_nvme_write_row_is_unpaced_and_drops_nothing(tmp_path: Path) -> None:
+    """``gcache-bench write --tier nvme`` puts back to back (4 in flight, no pacing):
+    4x its DRAM segment goes to NVMe, every put stored, nothing evicted."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "gcache.benchtool.main", "write", "-s", "1MiB", "--tier",
+           "nvme", "-n", "64", "--qd", "4", "--capacity", "16MiB", "--nvme-dir",
+           str(tmp_path), "--json", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["op"] == "write" and row["tier"] == "nvme"
+    assert row["evictions"] == 0, row
+    # Everything above the demote watermark (0.1 of DRAM) went to the disk.
+    assert row["demoted_bytes"] >= 64 * MIB - 2 * MIB, row
+    assert row["bw_avg_gbps"] > 0
