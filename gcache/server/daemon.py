@@ -34,7 +34,8 @@ from gcache.errors import (
     SendTimeout,
 )
 from gcache.server.core import DataPlaneCore
-from gcache.server.nvme_reads import NvmeReplies, new_counters
+from gcache.server.nvme_reads import NvmeReplies, new_counters, read_staged
+from gcache.server.staging import StagingArea, remove_dead_staging_files
 from gcache.server.tiered import ReadBudget, ReadBuffers, TieredReadReply
 from gcache.server.tiers import TierState
 from gcache.startup import OneLineParser, install_uvloop, listen_tcp, run_main, setup_logging
@@ -100,6 +101,7 @@ class StorageServer:
         self.read_buffers = ReadBuffers(256 << 20)  # their buffers, reused
         self.read_pool = concurrent.futures.ThreadPoolExecutor(4, "nvme-read")
         self.nvme_reply_counters = new_counters()  # pipelined tier-1 replies (nvme_reads.py)
+        self.staging: StagingArea | None = None  # same-host tier-1 reads (staging.py)
 
     # ---- data plane --------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class StorageServer:
             "nvme_read_budget_waits": self.read_budget.waits,
             **self.read_buffers.stats(),
             **self.nvme_reply_counters,
+            **(self.staging.stats(time.monotonic()) if self.staging is not None else {}),
         }
 
     async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
@@ -204,6 +207,13 @@ class StorageServer:
                     await stream.send_msg(wire.Sealed(receipts), head.req_id)
                 elif head.msg_type == wire.T_PING:
                     await stream.send_msg(wire.Ok(0), head.req_id)
+                elif head.msg_type == wire.T_READ_STAGED:
+                    await self._read_staged(stream, msg, head.req_id, now_ms)
+                elif head.msg_type == wire.T_UNSTAGE:
+                    n = 0
+                    if self.staging is not None:
+                        n = sum(self.staging.release(id(stream), i) for i in msg.stage_ids)
+                    await stream.send_msg(wire.Ok(n), head.req_id)
                 elif head.msg_type == wire.T_SERVER_STATS:
                     values = {k: float(v) for k, v in {**self.stats(), **core.stats()}.items()}
                     await stream.send_msg(wire.ServerStatsReply(values), head.req_id)
@@ -228,8 +238,32 @@ class StorageServer:
             stream.close()
             if nvme is not None and isinstance(await nvme.close(), SendTimeout):
                 self.limiter.send_timeouts += 1  # the tier-1 sender's peer stopped reading
+            if self.staging is not None:
+                self.staging.release_owner(id(stream))  # its staging ranges, if any
             if conn is not None:
                 self.limiter.release(conn)
+
+    async def _read_staged(
+        self, stream: FrameStream, msg: wire.ReadStaged, req_id: int, now_ms: int
+    ) -> None:
+        """``READ_STAGED``: tier-1 ranges read into the staging file (staging.py)."""
+        assert self.core is not None
+        if self.staging is None:
+            await stream.send_msg(wire.Error(E_BAD_REQUEST, "no staging area"), req_id)
+            return
+        try:
+            reply = self.core.read_views(wire.Read(msg.grants, msg.ranges), now_ms)
+        except Refusal as r:
+            self.request_log.log(
+                time.monotonic(), "refused READ_STAGED from %s: %s", stream.peer, r.message
+            )
+            await stream.send_msg(wire.Error(r.code, r.message), req_id)
+            return
+        if not isinstance(reply, TieredReadReply):
+            out: wire.Msg = wire.Error(E_BAD_REQUEST, "READ_STAGED is for tier-1 ranges only")
+        else:
+            out = await read_staged(reply, self.staging, self.read_pool, id(stream))
+        await stream.send_msg(out, req_id)
 
     def _nvme_replies(self, stream: FrameStream, on_idle: Callable[[], None]) -> NvmeReplies:
         def failed(line: str) -> None:
@@ -414,6 +448,14 @@ class StorageServer:
         self.tiers.on_report = self._beat_soon.set
         self.segment = self.tiers.segment
         self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
+        if self.tiers.nvme is not None and cfg.staging_size_bytes:
+            remove_dead_staging_files(cfg.shm_dir, self.segment.path)
+            self.staging = StagingArea(
+                self.segment.path + ".stage",
+                cfg.staging_size_bytes,
+                cfg.staging_ttl_s,
+                max(cfg.staging_size_bytes // 2, 4096),
+            )
         log.info(
             "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
             self.server_id,
@@ -450,6 +492,8 @@ class StorageServer:
             await asyncio.gather(*tasks, *self.connections, return_exceptions=True)
             self.read_pool.shutdown(wait=True)
             self.read_buffers.close()
+            if self.staging is not None:
+                self.staging.close()  # removes the staging file
             self.tiers.close()  # keeps the segment and its manifest for the next start
 
 
