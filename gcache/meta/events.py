@@ -69,15 +69,6 @@ class _Ring:
     def first(self) -> int:
         return max(0, self.end - self.cap)
 
-    def append(self, item: tuple[bytes, int]) -> bool:
-        """Record ``item``; True when it overwrote the oldest one."""
-        slot = self.end % self.cap
-        self.end += 1
-        if slot == len(self.buf):
-            self.buf.append(item)
-            return False
-        self.buf[slot] = item
-        return True
 
 
 @dataclass(slots=True)
@@ -101,14 +92,14 @@ class RemovalFeed:
         self._next_id = 1
         # Called after a removal is recorded (the daemon wakes its subscribers).
         self.on_record: Callable[[], None] | None = None
+        # Hot counters as attributes (the eviction path bumps them), the rest here.
+        self.recorded = 0
+        self.overwritten = 0
+        self.server_lost = 0
         self.counters: dict[str, int] = {
-            "removals_recorded": 0,
             "removals_delivered": 0,
-            "removals_dropped_from_ring": 0,
             "subscribers_refused": 0,
             "subscriber_gaps": 0,
-            f"removed_{EVICTED}": 0,
-            f"removed_{SERVER_LOST}": 0,
         }
 
     # ---- the meta's side ---------------------------------------------------------------
@@ -121,12 +112,19 @@ class RemovalFeed:
         ring = self.rings.get(fp)
         if ring is None:
             return
-        if ring.append((key, group)):
-            self.counters["removals_dropped_from_ring"] += 1
+        buf = ring.buf
+        slot = ring.end % ring.cap
+        ring.end += 1
+        if slot == len(buf):
+            buf.append((key, group))
+        else:  # the ring is full: the oldest goes
+            buf[slot] = (key, group)
+            self.overwritten += 1
+        self.recorded += 1
+        if reason == SERVER_LOST:
+            self.server_lost += 1
         if self.on_record is not None:
             self.on_record()
-        self.counters["removals_recorded"] += 1
-        self.counters[f"removed_{reason}"] = self.counters.get(f"removed_{reason}", 0) + 1
 
     # ---- subscribers ---------------------------------------------------------------------
 
@@ -184,6 +182,10 @@ class RemovalFeed:
     def stats(self) -> dict[str, int]:
         return {
             **self.counters,
+            "removals_recorded": self.recorded,
+            "removals_dropped_from_ring": self.overwritten,
+            f"removed_{EVICTED}": self.recorded - self.server_lost,
+            f"removed_{SERVER_LOST}": self.server_lost,
             "event_subscribers": len(self.subscribers),
             "event_rings": len(self.rings),
             "event_ring_events": sum(len(r.buf) for r in self.rings.values()),

@@ -33,7 +33,7 @@ def drain(feed: RemovalFeed, sub: Subscriber) -> tuple[list[tuple[bytes, int]], 
 def test_feed_records_only_watched_namespaces_and_from_subscription_on() -> None:
     feed = RemovalFeed(ring=8)
     feed.removed(b"a" * 16, KEY, 0)  # nobody watches: not kept
-    assert not feed.rings and feed.counters["removals_recorded"] == 0
+    assert not feed.rings and feed.stats()["removals_recorded"] == 0
     sub = feed.subscribe(b"a" * 16, now=0.0)
     feed.removed(b"b" * 16, KEY, 0)  # another namespace
     feed.removed(b"a" * 16, KEY, 1)
@@ -57,7 +57,7 @@ def test_a_subscriber_that_falls_behind_the_ring_reads_a_gap_then_the_rest() -> 
     got, gap = drain(feed, slow)
     assert gap and got == [(k, 0) for k in ks[6:]], "the newest ring-full, in order"
     assert feed.counters["subscriber_gaps"] == 2
-    assert feed.counters["removals_dropped_from_ring"] == 6
+    assert feed.stats()["removals_dropped_from_ring"] == 6
     # Reading on after the gap: no gap again, wrap-around in order.
     for k in ks[:5]:
         feed.removed(fp, k, 2)
