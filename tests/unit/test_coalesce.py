@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
 import msgspec
 import pytest
@@ -158,3 +159,58 @@ def test_key_count_fast_path_still_refuses_every_over_long_list() -> None:
     forged = b"\x94\xc4\x10" + ns + b"\xdd\xff\xff\xff\xff" + b"\xc4\x10" + key
     with pytest.raises(InvalidBody, match="max_keys_per_request"):
         run(64, wire.Lookup(ns, [key]), forged)
+
+
+class _CountingWaits(FrameStream):
+    waits = 0
+
+    async def _wait_writable(self, registered: list[int]) -> None:
+        self.waits += 1
+        await super()._wait_writable(registered)
+
+
+def test_a_large_send_registers_for_writing_once_however_often_it_waits() -> None:
+    """A send larger than the socket buffers waits for room many times; the socket
+    stays registered across those waits (one add_writer / remove_writer pair per
+    send, not one per wait) and is unregistered when the send is done."""
+    big = 8 << 20
+
+    async def main() -> tuple[int, int, int]:
+        loop = asyncio.get_running_loop()
+        calls = {"add": 0, "remove": 0}
+        add, remove = loop.add_writer, loop.remove_writer
+
+        def counting_add(fd: Any, cb: Any, *args: Any) -> None:
+            calls["add"] += 1
+            add(fd, cb, *args)
+
+        def counting_remove(fd: Any) -> bool:
+            calls["remove"] += 1
+            return remove(fd)
+
+        loop.add_writer = counting_add  # type: ignore[method-assign,assignment]
+        loop.remove_writer = counting_remove  # type: ignore[method-assign]
+        a, b = socket.socketpair()
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        b.setblocking(False)
+        stream = _CountingWaits(a)
+        got = 0
+
+        async def drain() -> None:
+            nonlocal got
+            while got < big:
+                chunk = await loop.sock_recv(b, 256 << 10)
+                got += len(chunk)
+
+        reader = asyncio.create_task(drain())
+        try:
+            await stream.send_views([memoryview(bytearray(big))])
+            await asyncio.wait_for(reader, 10.0)
+        finally:
+            stream.close()
+            b.close()
+        return stream.waits, calls["add"], calls["remove"]
+
+    waits, adds, removes = asyncio.run(main())
+    assert waits > 2, waits  # the send did wait for room several times
+    assert (adds, removes) == (1, 1)
