@@ -348,7 +348,8 @@ class AsyncGCacheClient:
         ``offload``: copy and verify a large shared-memory layer on the copy threads,
         for a caller computing while layers arrive (``get_layers``); inline is cheaper
         when nobody else runs meanwhile (``get``). ``reads``: a stream's group plans,
-        and its large shared-memory copies one at a time in layer order."""
+        and its large shared-memory copies one at a time in layer order
+        (:class:`~gcache_client.layers.LayerReads`)."""
         ns = match.namespace
         layout = ns.layout
         spec = layout.spec.layers[layer]
@@ -392,9 +393,9 @@ class AsyncGCacheClient:
                 if si & 1:
                     self.counters["bytes_read_nvme"] += sp.nbytes
                 continue
-            if big:  # copy + verify, half of the blocks on each copy thread
-                if reads is not None:
-                    await reads.turn(layer)
+            if big and reads is not None and reads.ordered:  # a stream's, in layer order
+                ok = await reads.copy(copy_verify, seg, sp, 0, sp.count)
+            elif big:  # copy + verify, half of the blocks on each copy thread
                 parts = halves(sp.count, sp.nbytes)
                 ok = all(
                     await gather_or_cancel(
@@ -406,8 +407,6 @@ class AsyncGCacheClient:
             if not ok:
                 raise IntegrityError(f"layer {layer}: checksum mismatch")
             self.counters["bytes_read_shm"] += sp.nbytes
-        if reads is not None:
-            reads.passed(layer)  # this layer's shared-memory copies are done
         if remote:
             if big:
                 for si in remote:

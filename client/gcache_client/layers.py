@@ -8,9 +8,10 @@ idle between full layers while the consumer worked through the sliding ones. The
 caller's buffers are preallocated, so reading further ahead costs no memory; with
 ``out=None`` the fresh arrays in flight are what the byte bound limits.
 
-Large shared-memory copies run one at a time in layer order (:class:`LayerReads`):
-each uses every core the native kernel splits it across, so layer 0 arrives after
-one layer's copy instead of sharing the memory bus with the next full layer. The
+Large shared-memory copies run one at a time in layer order (:class:`LayerReads`),
+back to back on one thread: each uses every core the native kernel splits it
+across, so layer 0 arrives after one layer's copy instead of sharing the memory
+bus with the next full layer. The
 stream also keeps the match's group plans (:func:`gcache_client.plans.plan_group`):
 every layer of a group reads the same objects, so they are planned once.
 """
@@ -18,9 +19,12 @@ every layer of a group reads the same objects, so they are planned once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from gcache import _native as native
 from gcache.errors import GCacheError, LayoutError
 from gcache_client.plans import GroupServer
 from gcache_client.types import KVPair, LayerKV, Match
@@ -28,49 +32,56 @@ from gcache_client.types import KVPair, LayerKV, Match
 if TYPE_CHECKING:
     from gcache_client.aio import AsyncGCacheClient
 
+T = TypeVar("T")
+
 
 class LayerReads:
-    """One stream's shared state: its match's group plans, and layer-order turns
-    for its large shared-memory copies.
+    """One stream's shared state: its match's group plans, and the ordered copy
+    thread its large shared-memory copies run on.
 
-    ``turn(l)`` returns once every layer below ``l`` has ``passed``; a layer
-    passes when its shared-memory copies are done (or it had none, or it failed).
-    Plain state plus one future per waiting layer; ``passed`` is idempotent."""
+    The copy thread is one per process, first in first out: the stream's tasks
+    start in layer order and plan inline, so their copies reach it in layer order
+    and run back to back, each at the speed of every core the native kernel
+    splits it across, with no event-loop pass between two of them."""
 
-    __slots__ = ("_low", "_passed", "_waiters", "groups")
+    __slots__ = ("groups",)
 
     def __init__(self) -> None:
-        self._low = 0  # every layer below this one has passed
-        self._passed: set[int] = set()
-        self._waiters: dict[int, asyncio.Future[None]] = {}
         self.groups: dict[int, dict[int, GroupServer]] = {}
 
     @property
-    def low(self) -> int:
-        return self._low
+    def ordered(self) -> bool:
+        """Whether large copies go to the ordered thread: with the native kernel
+        (which splits a copy across threads itself), not with the Python one
+        (whose halves run on the pool's two copy threads)."""
+        return native.NATIVE
 
-    def passed(self, layer: int) -> None:
-        if layer < self._low:
-            return
-        self._passed.add(layer)
-        while self._low in self._passed:
-            self._passed.discard(self._low)
-            self._low += 1
-        for w in [w for w in self._waiters if w <= self._low]:
-            fut = self._waiters.pop(w)
-            if not fut.done():
-                fut.set_result(None)
-
-    async def turn(self, layer: int) -> None:
-        if layer <= self._low:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters[layer] = fut
+    async def copy(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the ordered copy thread. Cancellation waits for ``fn`` to
+        finish: it may be writing into the caller's buffers, which must be left
+        alone once we return."""
+        fut = asyncio.get_running_loop().run_in_executor(_ordered_copier(), fn, *args)
         try:
-            await fut
-        finally:
-            if self._waiters.get(layer) is fut:
-                del self._waiters[layer]
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    continue
+            raise
+
+
+_COPIER: ThreadPoolExecutor | None = None
+_COPIER_LOCK = threading.Lock()
+
+
+def _ordered_copier() -> ThreadPoolExecutor:
+    global _COPIER
+    with _COPIER_LOCK:
+        if _COPIER is None:
+            _COPIER = ThreadPoolExecutor(1, thread_name_prefix="gcache-layer-copy")
+        return _COPIER
 
 
 def layer_nbytes(client: AsyncGCacheClient, match: Match, layer: int) -> int:
@@ -113,12 +124,7 @@ class LayerStream:
             self._top += 1
 
     async def _read(self, layer: int, out: KVPair | None) -> LayerKV:
-        try:
-            return await self.client.fetch_layer(
-                self.match, layer, out, offload=True, reads=self.reads
-            )
-        finally:
-            self.reads.passed(layer)
+        return await self.client.fetch_layer(self.match, layer, out, offload=True, reads=self.reads)
 
     @property
     def started(self) -> int:

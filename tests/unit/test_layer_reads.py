@@ -1,52 +1,52 @@
-"""``gcache_client.layers.LayerReads``: a stream's large shared-memory copies take
-turns in layer order, whatever order their tasks reach the copy in; a failed or
-cancelled layer never leaves the layers after it waiting."""
+"""``gcache_client.layers.LayerReads``: a stream's large shared-memory copies run
+on one ordered thread, in the order they were handed over, never two at once; a
+cancelled copy is waited for (it may be writing into the caller's buffers)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 from gcache_client.layers import LayerReads
 
 
-def test_turns_follow_layer_order_not_arrival_order() -> None:
+def test_copies_run_one_at_a_time_in_the_order_handed_over() -> None:
+    log: list[tuple[str, int]] = []
+    busy = threading.Lock()
+
+    def job(i: int) -> int:
+        assert busy.acquire(blocking=False), "two copies at once"
+        try:
+            log.append(("start", i))
+            time.sleep(0.002 * (5 - i))  # earlier jobs take longer
+            log.append(("end", i))
+        finally:
+            busy.release()
+        return i
+
     async def main() -> list[int]:
         reads = LayerReads()
-        order: list[int] = []
+        return list(await asyncio.gather(*(reads.copy(job, i) for i in range(5))))
 
-        async def copy(layer: int, delay: float) -> None:
-            await asyncio.sleep(delay)  # layer 5 reaches its copy first
-            await reads.turn(layer)
-            order.append(layer)
-            await asyncio.sleep(0)
-            reads.passed(layer)
-
-        await asyncio.gather(
-            copy(5, 0.0), copy(3, 0.01), copy(0, 0.02), *(_pass(reads, x) for x in (1, 2, 4))
-        )
-        return order
-
-    assert asyncio.run(main()) == [0, 3, 5]
+    assert asyncio.run(main()) == list(range(5))
+    assert log == [(e, i) for i in range(5) for e in ("start", "end")]
 
 
-async def _pass(reads: LayerReads, layer: int) -> None:
-    await asyncio.sleep(0.03)  # small layers pass without a turn, late
-    reads.passed(layer)
+def test_a_cancelled_copy_is_waited_for() -> None:
+    done = threading.Event()
 
+    def job() -> None:
+        time.sleep(0.05)
+        done.set()
 
-def test_a_cancelled_waiter_is_forgotten_and_passing_is_idempotent() -> None:
     async def main() -> None:
         reads = LayerReads()
-        waiter = asyncio.create_task(reads.turn(2))
-        await asyncio.sleep(0)
-        waiter.cancel()
-        await asyncio.gather(waiter, return_exceptions=True)
-        assert waiter.cancelled()
-        assert not reads._waiters  # no future left behind for layer 2
-        reads.passed(1)
-        reads.passed(0)
-        reads.passed(0)
-        assert reads.low == 2
-        await asyncio.wait_for(reads.turn(2), 1)  # returns at once now
+        task = asyncio.create_task(reads.copy(job))
+        await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+        assert done.is_set()  # the copy had finished before the cancel returned
 
     asyncio.run(main())
