@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -22,6 +23,7 @@ from gcache.errors import LayoutError, ProtocolError, Refusal
 from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
 from gcache.meta.events import FeedFull
+from gcache.meta.pacing import ReportPacer
 from gcache.meta.rebuild import Parked
 from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord, group_layer_bytes
 from gcache.meta.tiers import Demotion, Promotion
@@ -161,6 +163,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         self.refused_duplicate_id = 0
         # While reports are adopted (see GcPause).
         self.gc_pause = GcPause(lambda: core.counters["objects_adopted"])
+        self.pacer = ReportPacer()  # report streams by block position (meta/pacing.py)
         # WatchRemovals subscribers wait on this; a removal (recorded by the core,
         # synchronously, on the loop thread) sets it once per loop pass.
         self._removal_wake: asyncio.Event | None = None
@@ -262,7 +265,11 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         the index; the server gets placements only once it is complete."""
         await self._require_cluster(context, "ReportObjects")
         with self.gc_pause():
-            return await self._report_objects(request_iterator, context)
+            self.pacer.started()
+            try:
+                return await self._report_objects(request_iterator, context)
+            finally:
+                self.pacer.ended()
 
     async def _report_objects(self, request_iterator: Any, context: Any) -> Any:
         adopted = dropped = 0
@@ -283,10 +290,12 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     return None
             now = time.monotonic()
-            records = parked_records(chunk.objects)  # a server before columns
-            got = self.core.report_objects(
-                chunk.server_id, chunk.incarnation, records, chunk.last and cols is None, now
-            )
+            got: tuple[int, int] | None = (0, 0)
+            if cols is None or chunk.objects:  # a server before columns
+                records = parked_records(chunk.objects)
+                got = self.core.report_objects(
+                    chunk.server_id, chunk.incarnation, records, chunk.last and cols is None, now
+                )
             if got is not None and cols is not None:
                 more = self.core.report_columns(
                     chunk.server_id, chunk.incarnation, cols, chunk.last, now
@@ -302,6 +311,9 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             adopted += got[0]
             dropped += got[1]
             server_id = chunk.server_id
+            self.pacer.changed()  # what waited for a parent may be adopted now
+            if not chunk.last:  # by block position with the other streams
+                await self.pacer.pace(functools.partial(self.core.deferred_of, server_id))
         parked = self.core.parked_of(server_id) if server_id else 0
         log.info(
             "server %s reported what it holds: %d objects adopted, %d dropped, %d waiting "

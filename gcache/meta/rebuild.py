@@ -31,6 +31,7 @@ two servers) keep the first reported; the other is freed. No I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter
 
 from gcache.keys import KEY_SIZE
@@ -118,9 +119,10 @@ class Rebuild(Tiers):
     # objects of a server adopted while another server's report was adopted (a
     # parent arrived): added to its own ReportObjectsReply.adopted
     _credit: dict[str, int] | None = None
-    # the last chunk's records whose parent was missing: retried after the next
-    # chunk (of any server) before they are parked
-    _deferred: list[Parked] | None = None
+    # server id -> its last chunk's records whose parent was missing: retried after
+    # the other servers' chunks, parked before its own next chunk (meta/pacing.py
+    # holds that stream meanwhile)
+    _deferred: dict[str, list[Parked]] | None = None
 
     def begin_report(self, srv: ServerRecord) -> None:
         """``srv`` will report what it holds: no placement on it until it is done."""
@@ -198,17 +200,21 @@ class Rebuild(Tiers):
         return dropped
 
     def _adopt_columns(
-        self, srv: ServerRecord, cols: Columns, now: float
+        self,
+        srv: ServerRecord | None,
+        cols: Columns,
+        now: float,
+        origin: list[Parked] | None = None,
+        credit: dict[str, int] | None = None,
     ) -> tuple[int, int, list[Parked]]:
-        """Adopt a chunk's records (in block order) whose namespace and parent are
-        known, in one pass with no per-record helper calls (1M records: see
+        """Adopt records (in block order) whose namespace and parent are known, in
+        one pass with no per-record helper calls (1M records: see
         bench/meta_rebuild.py); park those waiting for their namespace, drop the
-        impossible ones. Returns (adopted, dropped, records whose parent is missing)."""
-        held = srv.reported
-        assert held is not None
-        sparked = srv.parked
-        mask = srv.allocator.align - 1
-        cap = srv.allocator.capacity
+        impossible ones. The records are a chunk of ``srv`` or, with ``origin``,
+        parked records (off the books, of live servers) being retried, their
+        adoptions counted per server in ``credit``. Returns (adopted, dropped,
+        records whose parent is missing)."""
+        n = len(cols)
         namespaces = self.namespaces
         counters = self.counters
         lbs = cols.layer_bytes
@@ -226,6 +232,10 @@ class Rebuild(Tiers):
         full: int | None = None
         link = self._link_object
         policy, nvme_policy = self.policy, self.nvme_policy
+        cur: ServerRecord | None = None
+        held: dict[int, ObjectRecord] | None = None
+        sparked: dict[int, Parked] = {}
+        mask = cap = 0
         rows = zip(
             cols.namespace,
             cols.key,
@@ -237,19 +247,32 @@ class Rebuild(Tiers):
             cols.length,
             cols.sums,
             cols.seq,
+            lbs if lbs is not None else repeat((), n),
+            origin if origin is not None else repeat(None, n),
             strict=True,
         )
-        for i, (nsf, key, pkey, pos, g, tier, off, length, sums, seq) in enumerate(rows):
-            lb = lbs[i] if lbs is not None else ()
+        for nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb, orig in rows:
+            s: ServerRecord = orig.server if orig is not None else srv  # type: ignore[assignment]
+            if s is not cur:
+                cur = s
+                held = s.reported
+                sparked = s.parked
+                mask = s.allocator.align - 1
+                cap = s.allocator.capacity
             if (
                 length <= 0
                 or tier > 1
                 or (
                     tier == 0
-                    and (off & mask or off + length > cap or off in held or off in sparked)
+                    and (
+                        off & mask
+                        or off + length > cap
+                        or (held is not None and off in held)
+                        or off in sparked
+                    )
                 )
             ):
-                rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
                 counters["report_invalid"] += 1
                 self._release_parked(rec)
                 dropped += 1
@@ -268,7 +291,7 @@ class Rebuild(Tiers):
                     gbytes = [0] * groups
                     full = ns.full_group
             if ns is None:
-                rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
                 rec.layer_bytes = lb
                 self._park(rec, self.parked_ns.setdefault(fp, []))
                 continue
@@ -278,7 +301,9 @@ class Rebuild(Tiers):
                 if pos:
                     parent = entries.get(pkey)
                     if parent is None or parent.pos + 1 != pos:
-                        rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                        rec = orig or Parked(
+                            nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now
+                        )
                         rec.layer_bytes = lb
                         deferred.append(rec)
                         continue
@@ -294,7 +319,7 @@ class Rebuild(Tiers):
                 or len(sums) != nsums[g]
                 or (lb and lb != group_layer_bytes(layout, g))
             ):
-                rec = Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
                 counters["report_invalid"] += 1
                 self._release_parked(rec)
                 self._prune(ns, entry)
@@ -303,22 +328,24 @@ class Rebuild(Tiers):
             have = entry.objects[g]
             if have is not None:
                 dropped += 1
-                if have.server is srv and have.tier == tier and have.offset == off:
+                if have.server is s and have.tier == tier and have.offset == off:
                     continue  # reported again (a re-registration): already adopted
                 counters["report_duplicates"] += 1
                 self._release_parked(
-                    Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, srv, now)
+                    orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
                 )
                 continue
             last = base + (seq if seq < 10**9 else 10**9) * 1e-9
-            obj = ObjectRecord(entry, g, srv, off, length, sums, last, "", tier)
+            obj = ObjectRecord(entry, g, s, off, length, sums, last, "", tier)
             link(ns, entry, obj)
             nbytes += length
             gbytes[g] += length
-            if tier == 0:
-                held[off] = obj
+            if tier == 0 and held is not None:
+                held[off] = obj  # (adopted after its report completed: allocated)
             (nvme_policy if tier else policy).admit(obj, ns)
             adopted += 1
+            if credit is not None:
+                credit[s.server_id] = credit.get(s.server_id, 0) + 1
         if ns is not None:
             self._add_group_bytes(ns, gbytes)
         self.entries += created
@@ -347,12 +374,23 @@ class Rebuild(Tiers):
         when due, complete the report on ``last``."""
         self.counters["objects_adopted"] += adopted
         self._since_retry += adopted + len(deferred)
-        prev, self._deferred = self._deferred, deferred
-        if prev:
-            self._retry_deferred(prev, now)
-        if last and self._deferred:
-            now_due, self._deferred = self._deferred, None
-            self._retry_deferred(now_due, now)
+        dmap = self._deferred
+        if dmap is None:
+            dmap = self._deferred = {}
+        own = dmap.pop(srv.server_id, None)
+        if own:
+            self._retry_deferred(own, now, park=True)
+        for sid, recs in list(dmap.items()):  # this chunk may hold their parents
+            left = self._retry_deferred(recs, now, park=False)
+            if left:
+                dmap[sid] = left
+            else:
+                del dmap[sid]
+        if deferred:
+            if last:
+                self._retry_deferred(deferred, now, park=True)
+            else:
+                dmap[srv.server_id] = deferred
         if self.parked_parent:
             waiting = self._waiting_parents()
             if last or waiting <= RETRY_EAGER or self._since_retry >= waiting:
@@ -364,30 +402,47 @@ class Rebuild(Tiers):
         self.counters["objects_report_dropped"] += dropped
         return adopted, dropped
 
-    def _retry_deferred(self, recs: list[Parked], now: float) -> None:
+    def _retry_deferred(self, recs: list[Parked], now: float, park: bool) -> list[Parked]:
         """Records of one chunk (block order) that missed their parent: adopt those
-        whose parent came since, park the others."""
+        whose parent came since; park the others (``park``) or return them."""
         credit = self._credit if self._credit is not None else {}
         n = 0
+        left: list[Parked] = []
+        fp = b""
+        ns: NamespaceRecord | None = None
         for rec in recs:
             srv = rec.server
-            ns = self.namespaces.get(rec.namespace)
+            if rec.namespace != fp:
+                fp = rec.namespace
+                ns = self.namespaces.get(fp)
             if srv is None or not srv.alive or ns is None:
                 continue
+            if not park:
+                parent = ns.entries.get(rec.parent)
+                if parent is None or parent.pos + 1 != rec.pos:
+                    left.append(rec)
+                    continue
             got = self._adopt_known(ns, rec, now)[0]
             if got:
                 n += got
                 credit[srv.server_id] = credit.get(srv.server_id, 0) + got
         self._credit = credit
         self.counters["objects_adopted"] += n
+        return left
+
+    def deferred_of(self, server_id: str) -> int:
+        """Records of ``server_id``'s last chunk still waiting for a parent."""
+        recs = self._deferred.get(server_id) if self._deferred else None
+        return len(recs) if recs else 0
 
     def _waiting_parents(self) -> int:
         return sum(len(v) for v in self.parked_parent.values())
 
     def _retry_parents(self, now: float) -> int:
         """Adopt, in block order, the parked records whose parent block is now in
-        the index (a chain of them in one pass); the rest wait on. Returns the
-        objects adopted (credited to their servers, see ``_credit``)."""
+        the index or among them (a chain of them in one pass, through the one-pass
+        adoption); the rest wait on. Returns the objects adopted (credited to their
+        servers, see ``_credit``)."""
         self._since_retry = 0
         pools, self.parked_parent = self.parked_parent, {}
         parked = self.parked_all
@@ -400,27 +455,44 @@ class Rebuild(Tiers):
             entries = ns.entries
             pool.sort(key=_POS)  # runs of sorted chunks: merged, not re-sorted
             keep: list[Parked] = []
+            ready: list[Parked] = []
+            coming: set[bytes] = set()
             for rec in pool:
                 if id(rec) not in parked:
                     continue  # expired, dropped or adopted meanwhile
                 parent = entries.get(rec.parent)
-                if parent is None or parent.pos + 1 != rec.pos:
+                if (parent is not None and parent.pos + 1 == rec.pos) or rec.parent in coming:
+                    ready.append(rec)
+                    coming.add(rec.key)
+                else:
                     keep.append(rec)
-                    continue
-                self._unpark(rec)
-                srv = rec.server
-                if srv is None or not srv.alive:
-                    continue
-                got = self._adopt_known(ns, rec, now)[0]
-                if got:
-                    n += got
-                    credit[srv.server_id] = credit.get(srv.server_id, 0) + got
+            n += self._adopt_parked(ns, ready, now, credit)
             if keep:
                 waiting = self.parked_parent.setdefault(fp, [])
                 waiting[:0] = keep
         self._credit = credit
         self.counters["objects_adopted"] += n
         return n
+
+    def _adopt_parked(
+        self, ns: NamespaceRecord, recs: list[Parked], now: float, credit: dict[str, int] | None
+    ) -> int:
+        """Take parked records of ``ns`` (block order) off the books and adopt them
+        in one pass; those still missing their parent are parked again."""
+        live: list[Parked] = []
+        for rec in recs:
+            self._unpark(rec)
+            srv = rec.server
+            if srv is not None and srv.alive:
+                live.append(rec)
+        if not live:
+            return 0
+        got, _, deferred = self._adopt_columns(None, columns_of(live), now, live, credit)
+        if deferred:
+            where = self.parked_parent.setdefault(ns.fingerprint, [])
+            for rec in deferred:
+                self._park(rec, where)
+        return got
 
     def _adopt_known(self, ns: NamespaceRecord, rec: Parked, now: float) -> tuple[int, int]:
         """Adopt a record of a known namespace (not on the parked books), creating
@@ -582,16 +654,8 @@ class Rebuild(Tiers):
         if not waiting:
             return 0
         waiting.sort(key=_POS)
-        n = 0
         parked = self.parked_all
-        for rec in waiting:
-            if id(rec) not in parked:
-                continue  # expired or dropped meanwhile
-            self._unpark(rec)
-            srv = rec.server
-            if srv is None or not srv.alive:
-                continue
-            n += self._adopt_known(ns, rec, now)[0]
+        n = self._adopt_parked(ns, [r for r in waiting if id(r) in parked], now, None)
         self.counters["objects_adopted"] += n
         if self.parked_parent.get(ns.fingerprint):
             n += self._retry_parents(now)
@@ -605,10 +669,11 @@ class Rebuild(Tiers):
     def expire_parked(self, now: float) -> None:
         """Free parked records older than ``parked_ttl_s``; park the records that
         waited a second for a next chunk that did not come."""
-        due = self._deferred
-        if due and due[0].since < now - 1.0:
-            self._deferred = None
-            self._retry_deferred(due, now)
+        if self._deferred:
+            for sid, due in list(self._deferred.items()):
+                if due[0].since < now - 1.0:
+                    del self._deferred[sid]
+                    self._retry_deferred(due, now, park=True)
         cutoff = now - self.cfg.parked_ttl_s
         parked = self.parked_all
         while parked:

@@ -171,3 +171,89 @@ def test_allocator_from_used_ranges_matches_one_allocation_per_range() -> None:
     assert fast.alloc(8192) == slow.alloc(8192)
     with pytest.raises(ValueError):
         SegmentAllocator.with_used(cap, align, [(0, 8192), (4096, 4096)])
+
+
+def _chain(fp: bytes, layout: Layout, n: int) -> list[StoredRecord]:
+    ks = keys.block_keys(fp, list(range(n * layout.block_size)), layout.block_size)
+    size, nsums = layout.group_object_bytes[0], len(layout.group_layers[0])
+    return [
+        StoredRecord(fp, k, ks[i - 1] if i else b"", i, 0, 0, i * 4096, size, bytes(8 * nsums), i)
+        for i, k in enumerate(ks)
+    ]
+
+
+def test_parentless_records_wait_for_the_next_chunk_of_another_server_unparked() -> None:
+    """Server 1 runs ahead (block 1 before server 0's block 0): its record is
+    retried after server 0's next chunk and adopted without being parked."""
+    spec = tiny_hybrid()
+    layout = Layout(spec)
+    core = MetaCore(MetaConfig())
+    ns = core.register_namespace({"model": "ahead", "layout": msgspec.to_builtins(spec)}, spec)
+    for i in range(2):
+        core.register_server(addr(i), bytes(16), 1, 256 * KB, 0.0, report=True)
+    recs = _chain(ns.fingerprint, layout, 3)
+    got = core.report_columns("s1", 1, columns.decode(columns.encode(recs[1:2])), False, 1.0)
+    assert got == (0, 0)
+    assert core.deferred_of("s1") == 1 and core.stats()["parked_objects"] == 0
+    got = core.report_columns("s0", 1, columns.decode(columns.encode(recs[:1])), False, 1.0)
+    assert got == (1, 0)
+    assert core.deferred_of("s1") == 0, "adopted after server 0's chunk"
+    assert core.counters["objects_parked"] == 0
+    # Its own next (last) chunk: credited with the record adopted meanwhile.
+    got = core.report_columns("s1", 1, columns.decode(columns.encode(recs[2:])), True, 1.0)
+    assert got == (2, 0)
+    assert core.stats()["objects"] == 3
+
+
+def test_a_record_still_without_parent_is_parked_before_its_servers_next_chunk() -> None:
+    spec = tiny_hybrid()
+    layout = Layout(spec)
+    core = MetaCore(MetaConfig())
+    ns = core.register_namespace({"model": "orphan", "layout": msgspec.to_builtins(spec)}, spec)
+    core.register_server(addr(0), bytes(16), 1, 256 * KB, 0.0, report=True)
+    recs = _chain(ns.fingerprint, layout, 4)
+    core.report_columns("s0", 1, columns.decode(columns.encode(recs[2:3])), False, 1.0)
+    assert core.counters["objects_parked"] == 0
+    core.report_columns("s0", 1, columns.decode(columns.encode(recs[3:])), False, 1.0)
+    assert core.counters["objects_parked"] == 1, "parked once its server moved on"
+    got = core.report_columns("s0", 1, columns.decode(columns.encode(recs[:2])), True, 1.0)
+    assert got == (4, 0), "the parked chain adopted once its parents came"
+    assert core.stats()["parked_objects"] == 0 and core.stats()["objects"] == 4
+
+
+def test_pacing_decision() -> None:
+    from gcache.meta.pacing import MAX_HOLD_S, hold
+
+    assert not hold(0, 0, 4, 0.0), "nothing waits for a parent: go on"
+    assert hold(5, 0, 4, 0.0)
+    assert hold(5, 2, 4, 0.0)
+    assert not hold(5, 3, 4, 0.0), "every other stream waits: someone must go on"
+    assert not hold(5, 0, 1, 0.0), "the only stream"
+    assert not hold(5, 0, 4, MAX_HOLD_S)
+
+
+def test_pacer_releases_a_stream_when_its_records_are_adopted_or_all_wait() -> None:
+    import asyncio
+
+    from gcache.meta.pacing import ReportPacer
+
+    async def run() -> None:
+        pacer = ReportPacer()
+        pacer.started()
+        pacer.started()
+        left = [3]
+        task = asyncio.ensure_future(pacer.pace(lambda: left[0]))
+        await asyncio.sleep(0.01)
+        assert not task.done() and pacer.waiting == 1
+        left[0] = 0  # another stream's chunk brought the parents
+        pacer.changed()
+        await asyncio.wait_for(task, 1.0)
+        # Both streams ahead: the second to wait goes on at once.
+        first = asyncio.ensure_future(pacer.pace(lambda: 1))
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(pacer.pace(lambda: 1), 0.05)
+        pacer.ended()  # the other stream ended: the first one goes on too
+        await asyncio.wait_for(first, 0.05)
+        assert pacer.waiting == 0 and pacer.holds == 2
+
+    asyncio.run(run())
