@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gcache import wire
 from gcache.cli.deploy import LocalDeployment
 from gcache_client import GCacheClient
+from tests import rawwire
 from tests.kvdata import assert_layers_match, make_kv, tiny_hybrid, tokens
 
 NTOK = 4 * 64  # 64 blocks: 66 objects of 4 KiB a prompt (about 264 KiB)
@@ -50,8 +52,14 @@ def test_unpaced_burst_of_3x_dram_demotes_instead_of_dropping(tmp_path: Path) ->
                 layers = list(stream)
             assert stream.ok, f"prompt {s}: a read failed"
             assert_layers_match(layers, kvs[s])
+            port = m.servers[0].port
             client.release(m)
         assert nvme_prompts > n // 2, nvme_prompts  # most of it went to the disk
+        # The server reported finished batches at once (an early heartbeat each),
+        # not only at its 1 s tick.
+        _, body, _ = rawwire.call(port, wire.ServerStats())
+        assert isinstance(body, wire.ServerStatsReply), body
+        assert body.values["early_reports"] > 0, body.values
         after = d.stats().counters
         assert after["evictions"] == 0, dict(after)
         print(
