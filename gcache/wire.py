@@ -294,6 +294,8 @@ class ReadStaged(Msg):
 
     grants: list[Grant]
     ranges: list[tuple[int, int, int]]
+    # staging ranges of this connection given back first (saves their UNSTAGE)
+    release: list[int] = msgspec.field(default_factory=list)
 
 
 class Staged(Msg):

@@ -18,6 +18,7 @@ from typing import Any
 
 RAW = "raw disk (dd direct)"
 GCACHE = "gcache (NVMe)"
+GCACHE_STAGED = "gcache (NVMe, shm staging)"  # same-host reads via the staging file
 DEFAULT_SIZES = "1MiB,16MiB"
 # Puts in flight feeding the demotion rows: unpaced, more than the disk takes, so
 # the figure is the demotion pipeline's (a put that finds DRAM full waits in the
@@ -73,14 +74,17 @@ def raw_rows(directory: str, size: int, total: int) -> list[dict[str, Any]]:
     return rows
 
 
-def gcache_row(directory: str, op: str, size: int, count: int, qd: int) -> dict[str, Any]:
-    """One ``gcache-bench OP --tier nvme`` run (its own local meta + server)."""
+def gcache_row(
+    directory: str, op: str, size: int, count: int, qd: int, transport: str = "tcp"
+) -> dict[str, Any]:
+    """One ``gcache-bench OP --tier nvme`` run (its own local meta + server); a read
+    over ``transport`` (shm: through the server's staging file)."""
     with tempfile.TemporaryDirectory(prefix="compare-nvme-") as tmp:
         out = os.path.join(tmp, "row.json")
         args = [op, "-s", str(size), "--tier", "nvme", "-n", str(count),
                 "--nvme-dir", directory, "--json", out]  # fmt: skip
         if op == "read":
-            args += ["--qd", str(qd)]
+            args += ["--qd", str(qd), "--transport", transport]
         else:  # unpaced puts, WRITE_QD in flight, feed the demotions (shared memory)
             args += ["--qd", str(WRITE_QD), "--transport", "auto"]
         cmd = [sys.executable, "-m", "gcache.benchtool.main", *args]
@@ -95,9 +99,14 @@ def gcache_row(directory: str, op: str, size: int, count: int, qd: int) -> dict[
         f"demotion: the meta's demoted_bytes over the time it grew ({g.get('puts_waited', 0)} "
         f"puts waited for room, {g.get('evictions', 0)} evictions)"
         if op == "write"
-        else (f"tier-1 reads through the client over TCP, {qd} in flight, checksums verified")
+        else (
+            f"tier-1 reads through the client over {transport.upper()}"
+            + (" (the server's staging file)" if transport == "shm" else "")
+            + f", {qd} in flight, checksums verified"
+        )
     )
-    return _row(GCACHE, op, size, int(g["iterations"]), g["bw_avg_gbps"],
+    system = GCACHE_STAGED if op == "read" and transport == "shm" else GCACHE
+    return _row(system, op, size, int(g["iterations"]), g["bw_avg_gbps"],
                 f"gcache-bench {' '.join(args[:-2])}: {what}")  # fmt: skip
 
 
@@ -109,8 +118,10 @@ def run(directory: str, sizes: list[int], total: int, qd: int) -> tuple[list[dic
             t0 = time.monotonic()
             rows += raw_rows(directory, size, total)
             count = max(8, total // size)
-            for op in ("write", "read"):
-                rows.append(gcache_row(directory, op, size, count, qd if size <= 4 << 20 else 2))
+            rqd = qd if size <= 4 << 20 else 2
+            rows.append(gcache_row(directory, "write", size, count, rqd))
+            for transport in ("tcp", "shm"):
+                rows.append(gcache_row(directory, "read", size, count, rqd, transport))
             print(f"# nvme {size}: {time.monotonic() - t0:.1f} s", flush=True)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         return rows, str(exc)

@@ -27,6 +27,7 @@ PAIRS: list[tuple[str, str, dict[str, float | None]]] = [
     ("gcache (SHM)", "redis (redis-py)", {"write": None, "read": None}),
     # Issue 10: the NVMe tier against the raw direct I/O of its directory, every size.
     ("gcache (NVMe)", "raw disk (dd direct)", {"write": 0.7, "read": 0.7}),
+    ("gcache (NVMe, shm staging)", "raw disk (dd direct)", {"write": None, "read": 0.7}),
 ]
 TARGET_SIZE = 1 << 20
 ALL_SIZES = {"raw disk (dd direct)"}  # peers whose target holds at every size

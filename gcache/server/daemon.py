@@ -251,6 +251,8 @@ class StorageServer:
         if self.staging is None:
             await stream.send_msg(wire.Error(E_BAD_REQUEST, "no staging area"), req_id)
             return
+        for rid in msg.release:  # ranges the client is done with (instead of UNSTAGE)
+            self.staging.release(id(stream), rid)
         try:
             reply = self.core.read_views(wire.Read(msg.grants, msg.ranges), now_ms)
         except Refusal as r:
@@ -450,7 +452,8 @@ class StorageServer:
         self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
         if self.tiers.nvme is not None and cfg.staging_size_bytes:
             remove_dead_staging_files(cfg.shm_dir, self.segment.path)
-            self.staging = StagingArea(
+            self.staging = await asyncio.to_thread(  # reserves and faults in: off the loop
+                StagingArea,
                 self.segment.path + ".stage",
                 cfg.staging_size_bytes,
                 cfg.staging_ttl_s,

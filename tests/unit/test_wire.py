@@ -37,6 +37,12 @@ SAMPLES: list[tuple[wire.Msg, int]] = [
     (wire.Routed("i0", "http://127.0.0.1:1", 1, 2, 0.5, "affinity"), 41),
     (wire.ReportHits("i0", 128, 64, 64), 42),
     (wire.ReportLoad("i0", 1, 2, 300, 4, "http://127.0.0.1:1"), 43),
+    # Issue 10 round four (B): server counters and the staging area.
+    (wire.ServerStats(), 15),
+    (wire.ServerStatsReply({"staging_ranges": 0.0, "nvme_read_pieces": 12.0}), 16),
+    (wire.ReadStaged([GRANT], [(0, 0, 4096)], [7]), 17),
+    (wire.Staged(3, "/dev/shm/gcache-x-1.seg.stage", [0, 8192], 2**40), 18),
+    (wire.Unstage([1, 2]), 19),
     (wire.PutBegin(namespace=b"n" * 16, keys=[b"k" * 16, b"j" * 16], groups=[1, 3]), 20),
     (
         wire.PutPlaced(
