@@ -443,8 +443,9 @@ class AsyncGCacheClient:
         self._check_open()
         if match.blocks == 0:
             return None
+        shared = LayerReads()  # the group plans, made once for all layers
         reads = (
-            self.fetch_layer(match, i, None if out is None else out[i])
+            self.fetch_layer(match, i, None if out is None else out[i], reads=shared)
             for i in range(match.namespace.layout.num_layers)
         )
         try:

@@ -260,3 +260,32 @@ def test_a_misshaped_buffer_raises_through_the_sync_stream(bclient: GCacheClient
             next(stream)
         assert list(stream) == []
     bclient.release(m)
+
+
+def test_a_match_is_planned_once_per_group(
+    bclient: GCacheClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get and get_layers plan each layout group's blocks once for all its layers
+    (MiMo-V2-Flash: 48 layers, 2 groups), not once per layer."""
+    from gcache_client import plans
+
+    calls: list[int] = []
+    real = plans.plan_group
+
+    def counted(match: object, g: int, first_blk: int) -> object:
+        calls.append(g)
+        return real(match, g, first_blk)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plans, "plan_group", counted)
+    ns = bclient.register_namespace(f"native-{uuid.uuid4()}", "mimo-v2-flash", block_size=16)
+    kv = make_kv(ns.layout, 64, seed=4)
+    toks = tokens(64, seed=4)
+    assert bclient.put(ns, toks, kv).ok
+    m = bclient.match(ns, toks)
+    assert_layers_match(bclient.get(m), kv)
+    assert sorted(calls) == [0, 1]
+    calls.clear()
+    with bclient.get_layers(m) as stream:
+        assert_layers_match(list(stream), kv)
+    assert sorted(calls) == [0, 1]
+    bclient.release(m)
