@@ -15,12 +15,14 @@ database): a region begins with a 4 KiB header (magic, region size and index,
 generation, CRC-32), and each record header carries the object's namespace
 fingerprint, key, parent key, block position, group, length, per-layer checksums,
 ``xxh3_64`` of the payload, the record's sequence number and the region's
-generation, under its own CRC-32. At start every region is scanned: a record whose
-header fails its CRC or names another generation ends the region's log, one whose
-payload no longer hashes to the recorded value (a torn write, damage) is dropped;
-neither is ever served. Dropping an object rewrites its header as a tombstone
-(same CRC rule); reusing a region writes a new region header with a new
-generation, which invalidates every record left from its previous life.
+generation, under its own CRC-32; when the object's layers differ in size (a
+version 2 record) their byte lengths follow the checksums. At start every region
+is scanned: a record whose header fails its CRC or names another generation ends
+the region's log, one whose payload no longer hashes to the recorded value (a
+torn write, damage) is dropped; neither is ever served. Dropping an object
+rewrites its header as a tombstone (same CRC rule); reusing a region writes a
+new region header with a new generation, which invalidates every record left from
+its previous life.
 
 Addresses: an object's address is the global byte offset of its payload
 (``region index * region_size + offset in region``); ``Grant.offset`` of a tier-1
@@ -55,6 +57,11 @@ _REGION: Final = struct.Struct("<4sHQIQ")
 _RECORD: Final = struct.Struct("<4sBBHQQ16s16s16sBIIQQ")
 _CRC: Final = struct.Struct("<I")
 MAX_SUMS: Final = (BLOCK - _RECORD.size - _CRC.size) // 8
+# Version 2 of a record header (issue 10): the object's layers differ in size, their
+# byte lengths (u32 each, one per checksum) follow the checksums. Equal layers are
+# still written as version 1, and version 1 records stay readable.
+_RECORD_V2: Final = 2
+MAX_SUMS_V2: Final = (BLOCK - _RECORD.size - _CRC.size) // 12
 LIVE: Final = 1
 DEAD: Final = 2
 MAX_FILES: Final = 8
@@ -126,13 +133,17 @@ def _unpack_region(buf: memoryview, region_size: int, index: int) -> int:
 
 def pack_record(rec: StoredRecord, gen: int, payload_hash: int, flags: int = LIVE) -> bytes:
     nsums = len(rec.sums) // 8
-    if len(rec.sums) % 8 or nsums > MAX_SUMS:
-        raise GCacheError(f"an object record holds at most {MAX_SUMS} 8-byte layer checksums")
+    uneven = rec.layer_bytes
+    most = MAX_SUMS_V2 if uneven else MAX_SUMS
+    if len(rec.sums) % 8 or nsums > most:
+        raise GCacheError(f"an object record holds at most {most} 8-byte layer checksums")
+    if uneven and (len(uneven) != nsums or sum(uneven) != rec.length):
+        raise GCacheError("layer lengths must be one per checksum and add up to the length")
     if len(rec.namespace) != 16 or len(rec.key) != 16 or len(rec.parent) not in (0, 16):
         raise GCacheError("namespace, key and parent must be 16-byte fingerprints")
     body = _RECORD.pack(
         _RECORD_MAGIC,
-        _VERSION,
+        _RECORD_V2 if uneven else _VERSION,
         flags,
         nsums,
         gen,
@@ -147,6 +158,8 @@ def pack_record(rec: StoredRecord, gen: int, payload_hash: int, flags: int = LIV
         payload_hash,
     )
     body += rec.sums
+    if uneven:
+        body += struct.pack(f"<{nsums}I", *uneven)
     return body + _CRC.pack(zlib.crc32(body))
 
 
@@ -156,11 +169,19 @@ def unpack_record(buf: memoryview, gen: int) -> tuple[StoredRecord, int, int] | 
     fixed = _RECORD.unpack_from(buf)
     magic, version, flags, nsums, rgen, seq, ns, key, parent, has_parent = fixed[:10]
     pos, group, length, phash = fixed[10:]
-    if magic != _RECORD_MAGIC or version != _VERSION or rgen != gen or nsums > MAX_SUMS:
+    uneven = version == _RECORD_V2
+    if (
+        magic != _RECORD_MAGIC
+        or version not in (_VERSION, _RECORD_V2)
+        or rgen != gen
+        or nsums > (MAX_SUMS_V2 if uneven else MAX_SUMS)
+    ):
         return None
-    end = _RECORD.size + 8 * nsums
+    sums_end = _RECORD.size + 8 * nsums
+    end = sums_end + (4 * nsums if uneven else 0)
     if flags not in (LIVE, DEAD) or _CRC.unpack_from(buf, end)[0] != zlib.crc32(buf[:end]):
         return None
+    lengths = struct.unpack_from(f"<{nsums}I", buf, sums_end) if uneven else ()
     rec = StoredRecord(
         namespace=bytes(ns),
         key=bytes(key),
@@ -170,8 +191,9 @@ def unpack_record(buf: memoryview, gen: int) -> tuple[StoredRecord, int, int] | 
         tier=1,
         offset=0,
         length=length,
-        sums=bytes(buf[_RECORD.size : end]),
+        sums=bytes(buf[_RECORD.size : sums_end]),
         seq=seq,
+        layer_bytes=tuple(lengths),
     )
     return rec, flags, phash
 
