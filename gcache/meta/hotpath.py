@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -34,8 +35,6 @@ from gcache.transport.limits import (
 from gcache.transport.stream import BodyCheck, FrameStream
 
 log = logging.getLogger("gcache.meta.hotpath")
-# How often a put waiting for room checks for finished demotions (issue 10).
-PUT_WAIT_POLL_S = 0.002
 
 # Replies to requests already buffered whole wait for each other (one sendmsg) up
 # to these bounds.
@@ -145,6 +144,10 @@ class HotPathServer:
         self.bad_frame_log = RateLimitedLog(log)
         self.refused_log = RateLimitedLog(log)
         self.check_body = key_count_check(cfg.max_keys_per_request)
+        # Set (and replaced) when servers report finished demotions: puts waiting
+        # for room (PutWait) try again (issue 10).
+        self._room = asyncio.Event()
+        core.on_room = self._room_made
 
     def stats(self) -> dict[str, int]:
         return {
@@ -229,19 +232,25 @@ class HotPathServer:
             if conn is not None:
                 self.limiter.release(conn)
 
+    def _room_made(self) -> None:
+        self._room.set()
+        self._room = asyncio.Event()
+
     async def _put_when_room(self, session: Session, msg: Any) -> wire.Msg:
         """A ``PutBegin`` told to wait (``PutWait``: DRAM full, demotions in flight
         will free it): place it again each time servers report finished demotions
-        (``core.room_gen``), for at most ``meta.put_wait_s``; the last try evicts as
+        (``core.on_room``), for at most ``meta.put_wait_s``; the last try evicts as
         a put always did. The connection's next request waits meanwhile
         (backpressure on that client only)."""
         core = self.core
         core.counters["puts_waited"] += 1
         deadline = time.monotonic() + core.cfg.put_wait_s
         while True:
-            gen = core.room_gen
-            while core.room_gen == gen and time.monotonic() < deadline:
-                await asyncio.sleep(PUT_WAIT_POLL_S)
+            left = deadline - time.monotonic()
+            if left > 0:
+                # No await between the refusal and here: no report is missed.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), left)
             last = time.monotonic() >= deadline
             try:
                 return dispatch(core, session, wire.T_PUT_BEGIN, msg, self.auth, not last)

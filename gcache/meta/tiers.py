@@ -26,6 +26,7 @@ NVMe copy and the DRAM range freed (after the last read lease on it ends).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -124,9 +125,10 @@ def _take(items: list[T], n: int) -> list[T]:
 class Tiers(Leases):
     epoch: int
     now_s: float  # the latest ``now`` seen (tick, heartbeat): for demotion pauses
-    # Bumped whenever servers report finished demotions (DRAM freed): a put told to
-    # wait for room (``PutWait``) tries again when it changes.
+    # Bumped whenever servers report finished demotions (DRAM freed), and
+    # ``on_room`` called: a put told to wait for room (``PutWait``) tries again.
     room_gen: int = 0
+    on_room: Callable[[], None] | None = None
     _compute: dict[int, ModelCompute]
 
     # ---- DRAM watermark: demote or drop --------------------------------------------
@@ -533,6 +535,8 @@ class Tiers(Leases):
                 out.failed.append(err)
         if demoted:
             self.room_gen += 1  # puts waiting for room try again (meta/hotpath.py)
+            if self.on_room is not None:
+                self.on_room()
         for pr in promoted or ():
             self.promoted(srv, pr)
         # The watermark first, so this reply carries the demotions it queues (the

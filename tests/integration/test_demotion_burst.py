@@ -28,11 +28,12 @@ def test_unpaced_burst_of_3x_dram_demotes_instead_of_dropping(tmp_path: Path) ->
         servers=1,
         capacity="8MiB",
         nvme_size="64MiB",
-        # A put may wait up to 4 s (below the client's 5 s timeout) for room.
-        meta_args=["--put-wait-s", "4"],
+        # A put may wait up to 20 s for room (the client's timeout is above it): a
+        # loaded CI machine delays demotions, it must not turn them into drops.
+        meta_args=["--put-wait-s", "20"],
     ) as d:
         d.start()
-        client = GCacheClient(d.client_config())
+        client = GCacheClient(d.client_config(timeout_s=30.0))
         ns = client.register_namespace("demotion-burst", tiny_hybrid())
         n = 90  # ~3x the DRAM segment
         kvs = [make_kv(ns.layout, NTOK, seed=s) for s in range(n)]

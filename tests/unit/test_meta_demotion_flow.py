@@ -174,6 +174,8 @@ def test_put_finding_dram_full_waits_for_demotions_instead_of_dropping() -> None
     n = fill_until_full(core, fp)
     used, objects = srv.allocator.used, live_objects(core, fp)
     gen = core.room_gen
+    woken: list[int] = []
+    core.on_room = lambda: woken.append(core.room_gen)  # the hot path's wake-up
     with pytest.raises(PutWait):
         put(core, fp, n, 100.0, wait=True)
     # Nothing changed: no eviction, no range kept, no pending put.
@@ -185,7 +187,7 @@ def test_put_finding_dram_full_waits_for_demotions_instead_of_dropping() -> None
     server = Server()
     server.beat(core, 100.1)
     server.beat(core, 100.2)
-    assert core.room_gen > gen
+    assert core.room_gen > gen and woken and woken[-1] == core.room_gen
     placed = put(core, fp, n, 100.3, wait=True)
     assert len(placed.placements) == 1 and placed.no_space == 0
     assert core.counters["evictions"] == 0
