@@ -257,3 +257,26 @@ def test_pacer_releases_a_stream_when_its_records_are_adopted_or_all_wait() -> N
         assert pacer.waiting == 0 and pacer.holds == 2
 
     asyncio.run(run())
+
+
+def test_reported_layer_lengths_must_match_the_namespace_layout() -> None:
+    """A record carrying layer lengths other than its layout's is dropped; the
+    layout's own lengths (or none, for equal layers) are adopted."""
+    from gcache.layout import LayerSpec, LayoutSpec
+    from gcache.meta.records import group_layer_bytes
+
+    big = LayerSpec("full", kv_heads=2, k_head_dim=8, v_head_dim=4)
+    small = LayerSpec("full", kv_heads=1, k_head_dim=8, v_head_dim=4)
+    spec = LayoutSpec(block_size=4, dtype="float16", layers=(big, small))
+    layout = Layout(spec)
+    want = group_layer_bytes(layout, 0)
+    assert want == (192, 96)
+    core = MetaCore(MetaConfig())
+    ns = core.register_namespace({"model": "lb", "layout": msgspec.to_builtins(spec)}, spec)
+    core.register_server(addr(0), bytes(16), 1, 256 * KB, 0.0, report=True)
+    recs = _chain(ns.fingerprint, layout, 3)
+    recs[0].layer_bytes = want
+    recs[1].layer_bytes = (96, 192)  # wrong order: not this layout's object
+    got = core.report_columns("s0", 1, columns.decode(columns.encode(recs)), True, 1.0)
+    assert got is not None and got[0] == 1, got
+    assert core.counters["report_invalid"] == 1
