@@ -224,9 +224,10 @@ class Tiers(Leases):
             self._demote(obj, ns)
         for obj, ns in held:
             self.policy.unpinned(obj, ns)
-        if allocator.largest_free() < size and srv.demoting_bytes < size:
+        left = budget.evict - dropped
+        if allocator.largest_free() < size and srv.demoting_bytes < size and left > 0:
             # Nothing in flight will make this room: evict as a put always did.
-            dropped += super()._make_room(srv, size, Budget(budget.alloc, budget.evict - dropped))
+            dropped += super()._make_room(srv, size, Budget(budget.alloc, left))
         return dropped
 
     def _compute_of(self, ns: NamespaceRecord) -> ModelCompute:
