@@ -51,8 +51,9 @@ DEPTH: Final = 4  # pieces of one reply on the disk threads at once
 AHEAD: Final = 4  # tier-1 replies of one connection started before they are sent
 
 
-def _read_piece(fd: int, offset: int, view: memoryview) -> None:
-    preadv_exact(fd, view, offset)
+def _read_piece(reads: Piece) -> None:
+    for fd, offset, view in reads:
+        preadv_exact(fd, view, offset)
 
 
 class _Job:
@@ -185,8 +186,7 @@ class NvmeReplies:
     def _fill(self, job: _Job) -> None:
         """Submit pieces until :data:`DEPTH` of the job are on the disk threads."""
         while not job.closed and job.running < self.depth and job.next < len(job.pieces):
-            fd, offset, view = job.pieces[job.next]
-            fut = self.executor.submit(_read_piece, fd, offset, view)
+            fut = self.executor.submit(_read_piece, job.pieces[job.next])
             job.futures.append(fut)
             job.next += 1
             job.running += 1
@@ -324,7 +324,7 @@ async def read_staged(
     expiry_ms = int((time.time() + staging.ttl_s) * 1000)
     pieces, _ = reply.plan_pieces(staging.view[base : base + span], piece)
     loop = asyncio.get_running_loop()
-    futs = [loop.run_in_executor(executor, _read_piece, *p) for p in pieces]
+    futs = [loop.run_in_executor(executor, _read_piece, p) for p in pieces]
     try:
         await asyncio.gather(*futs)
     except OSError as exc:

@@ -23,9 +23,10 @@ from typing import Final
 
 from gcache.storage.nvme import BLOCK, NvmeTier
 
-# A disk read of a pipelined tier-1 reply (gcache/server/nvme_reads.py): file
-# descriptor, file offset, the slice of the reply's buffer it fills.
-Piece = tuple[int, int, memoryview]
+# A disk job of a pipelined tier-1 reply (gcache/server/nvme_reads.py): reads of
+# (file descriptor, file offset, the slice of the reply's buffer it fills), done in
+# order on one disk thread.
+Piece = tuple[tuple[int, int, memoryview], ...]
 # A view of the reply's payload and the piece it waits for (-1: none, a segment view).
 Chunk = tuple[memoryview, int]
 
@@ -226,13 +227,16 @@ class TieredReadReply:
         """Cut the reply into disk reads of at most ``piece`` bytes (page aligned, so
         ``O_DIRECT`` takes them) into ``buf`` (page aligned, :meth:`span` bytes), and
         the reply's payload into chunks in order: ``(view, piece index)``, -1 for a
-        tier-0 view of the segment. A chunk may go out once its piece has landed."""
+        tier-0 view of the segment. A chunk may go out once its piece has landed.
+        Consecutive small reads (a block's K and V spans) share one piece while it
+        stays within 1.5 ``piece``: a thread hop per 512 KiB cost more than it saved
+        on 2 busy cores."""
         if piece <= 0 or piece % BLOCK:
             raise ValueError(f"piece {piece} must be a positive multiple of {BLOCK}")
         tier = self._tier
         ranges = self.tier1_ranges()
         spans = iter(tier._spans(ranges))
-        pieces: list[Piece] = []
+        reads: list[tuple[int, int, memoryview]] = []
         chunks: list[Chunk] = []
         pos = 0
         seg = self._seg
@@ -245,14 +249,27 @@ class TieredReadReply:
             lo, hi = pos + skip, pos + skip + n  # the range's bytes in buf
             for k in range(0, span, piece):
                 a, b = pos + k, pos + min(k + piece, span)
-                idx = len(pieces)
-                pieces.append((fd, start + k, buf[a:b]))
+                idx = len(reads)
+                reads.append((fd, start + k, buf[a:b]))
                 if max(a, lo) < min(b, hi):
                     chunks.append((buf[max(a, lo) : min(b, hi)], idx))
             pos += (span + BLOCK - 1) // BLOCK * BLOCK
             tier.reads += 1
             tier.read_bytes += n
-        return pieces, chunks
+        pieces: list[Piece] = []
+        group: list[tuple[int, int, memoryview]] = []
+        where: list[int] = []  # read index -> piece index
+        size = 0
+        for r in reads:
+            if group and size + len(r[2]) > piece * 3 // 2:
+                pieces.append(tuple(group))
+                group, size = [], 0
+            group.append(r)
+            size += len(r[2])
+            where.append(len(pieces))
+        if group:
+            pieces.append(tuple(group))
+        return pieces, [(v, where[p] if p >= 0 else -1) for v, p in chunks]
 
     def buffer_offsets(self) -> list[int]:
         """Where each tier-1 range lands in the buffer :meth:`plan_pieces` fills."""
