@@ -4,8 +4,9 @@ Starts a local meta + one server, runs ``gcache-bench``'s own TCP read and write
 operations (1 MiB by default, ``--qd`` in flight) and counts, with ``perf stat``
 tracepoints attached to the client (this process), the server and the meta for the
 timed part only: ``sendmsg``, ``recvmsg``, ``recvfrom``, ``epoll_ctl``,
-``epoll_pwait`` and context switches. Unlike times, these counts barely move with
-the machine's load, so two trees can be compared on a busy machine.
+``epoll_pwait``, ``getpid`` (asyncio's running-loop check) and context
+switches. Unlike times, these counts barely move with the machine's load, so two
+trees can be compared on a busy machine.
 
     python -m bench.op_syscalls --size 1MiB -n 1000 --json F
 """
@@ -35,6 +36,7 @@ EVENTS = [
     "syscalls:sys_enter_recvfrom",
     "syscalls:sys_enter_epoll_ctl",
     "syscalls:sys_enter_epoll_pwait",
+    "syscalls:sys_enter_getpid",
     "context-switches",
 ]
 

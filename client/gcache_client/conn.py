@@ -74,6 +74,12 @@ MAX_ABANDONED = 256
 _SEND_FAILED_GRACE_S = 0.5
 
 
+def _expire(fut: asyncio.Future[Any]) -> None:
+    """A call's deadline: its reply is late (the caller abandons the request)."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 class _Pending:
     __slots__ = ("abandoned", "answered", "dest", "fut", "receiving", "req_id")
 
@@ -94,6 +100,7 @@ class PipelinedConn:
         "_flush_due",
         "_flusher",
         "_ids",
+        "_loop",
         "_owed",
         "_pending",
         "_reader",
@@ -113,6 +120,7 @@ class PipelinedConn:
         self.abandoned = 0  # requests abandoned so far (stats)
         self._ids = itertools.count(1)
         self._closed: BaseException | None = None
+        self._loop = asyncio.get_running_loop()  # the reader runs on it, so do calls
         self._flush_due = False  # a _flush is scheduled for this loop pass
         self._flusher: asyncio.Task[None] | None = None
         self.flushes = 0  # sendmsg batches of coalesced frames (stats)
@@ -139,32 +147,38 @@ class PipelinedConn:
             if isinstance(self._closed, Busy):  # the daemon refused this connection
                 raise Busy(self._closed.code, self._closed.message)
             raise ConnectionLost(f"connection to {self.name} is down: {self._closed}")
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         fut: asyncio.Future[Any] = loop.create_future()
         p: _Pending | None = None
         sent = False
         try:
-            async with asyncio.timeout(timeout):
-                if payload:
+            if payload:
+                async with asyncio.timeout(timeout):
                     async with self._send_lock:
                         # 1 .. 2**32 - 1: request id 0 is the daemon's, for refusals.
                         p = _Pending(next(self._ids) % 0xFFFFFFFF + 1, fut, dest)
                         self._pending.append(p)
                         await self.stream.send_msg(msg, p.req_id, payload)
                         sent = True
-                else:
-                    # Coalesced: frames without payload queued in this loop pass go
-                    # out together in one sendmsg at its end (_flush). A queued
-                    # frame is the stream's: it goes out whole, or the connection
-                    # fails, so the caller may give up on it like on a sent one.
-                    p = _Pending(next(self._ids) % 0xFFFFFFFF + 1, fut, dest)
-                    self._pending.append(p)
-                    self.stream.queue_msg(msg, p.req_id)
-                    sent = True
-                    if not self._flush_due:
-                        self._flush_due = True
-                        loop.call_soon(self._flush)
+                    return await fut
+            # Coalesced: frames without payload queued in this loop pass go out
+            # together in one sendmsg at its end (_flush). A queued frame is the
+            # stream's: it goes out whole, or the connection fails, so the caller
+            # may give up on it like on a sent one. The only wait is for the reply:
+            # its deadline fails the future itself (no asyncio.timeout, whose
+            # running-loop lookups cost a getpid syscall each).
+            p = _Pending(next(self._ids) % 0xFFFFFFFF + 1, fut, dest)
+            self._pending.append(p)
+            self.stream.queue_msg(msg, p.req_id)
+            sent = True
+            if not self._flush_due:
+                self._flush_due = True
+                loop.call_soon(self._flush)
+            timer = loop.call_later(timeout, _expire, fut)
+            try:
                 return await fut
+            finally:
+                timer.cancel()
         except TimeoutError as exc:
             self._abandon(p, sent, f"no reply within {timeout}s")
             raise ConnectionLost(f"{self.name}: no reply within {timeout}s") from exc
@@ -217,7 +231,7 @@ class PipelinedConn:
         a lost connection after a short grace."""
         if self._closed is None:
             reason = ConnectionLost(f"{self.name}: {exc}")
-            asyncio.get_running_loop().call_later(_SEND_FAILED_GRACE_S, self.close, reason)
+            self._loop.call_later(_SEND_FAILED_GRACE_S, self.close, reason)
 
     def _abandon(self, p: _Pending | None, sent: bool, why: str) -> None:
         """The caller gave up on ``p``: have its reply drained, not delivered. The
