@@ -30,90 +30,29 @@ two servers) keep the first reported; the other is freed. No I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import repeat
 from operator import attrgetter
 
 from gcache.keys import KEY_SIZE
+from gcache.meta.adopt import Adoption, Parked, parked_from
 from gcache.meta.records import (
     GONE,
     LIVE,
-    BlockEntry,
     NamespaceRecord,
     ObjectRecord,
     ServerRecord,
-    group_layer_bytes,
 )
-from gcache.meta.tiers import Tiers
 from gcache.storage.allocator import SegmentAllocator
 from gcache.storage.columns import Columns, columns_of
-
-
-@dataclass(slots=True)
-class Parked:
-    """One reported object (proto ``StoredObject``) of a server."""
-
-    namespace: bytes
-    key: bytes
-    parent: bytes
-    pos: int
-    group: int
-    tier: int
-    offset: int
-    length: int
-    sums: bytes
-    seq: int
-    server: ServerRecord | None = None
-    since: float = 0.0
-    allocated: bool = False  # its DRAM range is in the allocator (report complete)
-    layer_bytes: tuple[int, ...] = ()  # per-layer lengths when unequal (else ())
-
-
-_POS = attrgetter("pos")
-
-
-def parked_from(cols: Columns) -> list[Parked]:
-    """The records of a decoded columnar chunk (already in block order)."""
-    out = list(
-        map(
-            Parked,
-            cols.namespace,
-            cols.key,
-            cols.parent,
-            cols.pos,
-            cols.group,
-            cols.tier,
-            cols.offset,
-            cols.length,
-            cols.sums,
-            cols.seq,
-        )
-    )
-    if cols.layer_bytes is not None:
-        for rec, lb in zip(out, cols.layer_bytes, strict=True):
-            rec.layer_bytes = lb
-    return out
-
 
 # While at most this many records wait for a parent, they are retried after every
 # chunk (a few checks); past it only once as many records arrived as wait.
 RETRY_EAGER = 256
+_POS = attrgetter("pos")
+
+__all__ = ["RETRY_EAGER", "Parked", "Rebuild"]  # Parked: callers import it from here
 
 
-def recency(now: float, seq: int) -> float:
-    """``last_access`` of an adopted object: within the second before ``now``, in
-    the order of the server's sequence numbers."""
-    return now - 1.0 + min(seq, 10**9) * 1e-9
-
-
-class Rebuild(Tiers):
-    # namespace fingerprint -> parked records waiting for it
-    parked_ns: dict[bytes, list[Parked]]
-    # namespace fingerprint -> parked records waiting for their parent block, retried
-    # in bulk (_retry_parents); entries no longer in parked_all are stale
-    parked_parent: dict[bytes, list[Parked]]
-    # every parked record in arrival order (id -> record): bound and expiry
-    parked_all: dict[int, Parked]
+class Rebuild(Adoption):
     # records reported since the last retry of parked_parent
     _since_retry: int = 0
     # objects of a server adopted while another server's report was adopted (a
@@ -198,167 +137,6 @@ class Rebuild(Tiers):
             if have is None or have.server is not srv or have.offset != rec.offset:
                 dropped += 1
         return dropped
-
-    def _adopt_columns(
-        self,
-        srv: ServerRecord | None,
-        cols: Columns,
-        now: float,
-        origin: list[Parked] | None = None,
-        credit: dict[str, int] | None = None,
-    ) -> tuple[int, int, list[Parked]]:
-        """Adopt records (in block order) whose namespace and parent are known, in
-        one pass with no per-record helper calls (1M records: see
-        bench/meta_rebuild.py); park those waiting for their namespace, drop the
-        impossible ones. The records are a chunk of ``srv`` or, with ``origin``,
-        parked records (off the books, of live servers) being retried, their
-        adoptions counted per server in ``credit``. Returns (adopted, dropped,
-        records whose parent is missing)."""
-        n = len(cols)
-        namespaces = self.namespaces
-        counters = self.counters
-        lbs = cols.layer_bytes
-        deferred: list[Parked] = []
-        adopted = dropped = created = nbytes = 0
-        base = now - 1.0  # recency(now, seq)
-        fp = b""
-        ns: NamespaceRecord | None = None
-        entries: dict[bytes, BlockEntry] = {}
-        layout = None
-        sizes: list[int] = []
-        nsums: list[int] = []
-        gbytes: list[int] = []
-        groups = 0
-        full: int | None = None
-        link = self._link_object
-        policy, nvme_policy = self.policy, self.nvme_policy
-        cur: ServerRecord | None = None
-        held: dict[int, ObjectRecord] | None = None
-        sparked: dict[int, Parked] = {}
-        mask = cap = 0
-        rows = zip(
-            cols.namespace,
-            cols.key,
-            cols.parent,
-            cols.pos,
-            cols.group,
-            cols.tier,
-            cols.offset,
-            cols.length,
-            cols.sums,
-            cols.seq,
-            lbs if lbs is not None else repeat((), n),
-            origin if origin is not None else repeat(None, n),
-            strict=True,
-        )
-        for nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb, orig in rows:
-            s: ServerRecord = orig.server if orig is not None else srv  # type: ignore[assignment]
-            if s is not cur:
-                cur = s
-                held = s.reported
-                sparked = s.parked
-                mask = s.allocator.align - 1
-                cap = s.allocator.capacity
-            if (
-                length <= 0
-                or tier > 1
-                or (
-                    tier == 0
-                    and (
-                        off & mask
-                        or off + length > cap
-                        or (held is not None and off in held)
-                        or off in sparked
-                    )
-                )
-            ):
-                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
-                counters["report_invalid"] += 1
-                self._release_parked(rec)
-                dropped += 1
-                continue
-            if nsf != fp or ns is None:
-                if ns is not None:
-                    self._add_group_bytes(ns, gbytes)
-                fp = nsf
-                ns = namespaces.get(fp)
-                if ns is not None:
-                    entries = ns.entries
-                    layout = ns.layout
-                    sizes = layout.group_object_bytes
-                    nsums = [8 * len(x) for x in layout.group_layers]
-                    groups = len(nsums)
-                    gbytes = [0] * groups
-                    full = ns.full_group
-            if ns is None:
-                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
-                rec.layer_bytes = lb
-                self._park(rec, self.parked_ns.setdefault(fp, []))
-                continue
-            entry = entries.get(key)
-            if entry is None:
-                parent = None
-                if pos:
-                    parent = entries.get(pkey)
-                    if parent is None or parent.pos + 1 != pos:
-                        rec = orig or Parked(
-                            nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now
-                        )
-                        rec.layer_bytes = lb
-                        deferred.append(rec)
-                        continue
-                entry = entries[key] = BlockEntry(key, parent, pos, groups)
-                created += 1
-                if full is not None:
-                    ns.full_holes += 1
-                if parent is not None:
-                    parent.children += 1
-            if (
-                g >= groups
-                or length != sizes[g]
-                or len(sums) != nsums[g]
-                or (lb and lb != group_layer_bytes(layout, g))
-            ):
-                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
-                counters["report_invalid"] += 1
-                self._release_parked(rec)
-                self._prune(ns, entry)
-                dropped += 1
-                continue
-            have = entry.objects[g]
-            if have is not None:
-                dropped += 1
-                if have.server is s and have.tier == tier and have.offset == off:
-                    continue  # reported again (a re-registration): already adopted
-                counters["report_duplicates"] += 1
-                self._release_parked(
-                    orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
-                )
-                continue
-            last = base + (seq if seq < 10**9 else 10**9) * 1e-9
-            obj = ObjectRecord(entry, g, s, off, length, sums, last, "", tier)
-            link(ns, entry, obj)
-            nbytes += length
-            gbytes[g] += length
-            if tier == 0 and held is not None:
-                held[off] = obj  # (adopted after its report completed: allocated)
-            (nvme_policy if tier else policy).admit(obj, ns)
-            adopted += 1
-            if credit is not None:
-                credit[s.server_id] = credit.get(s.server_id, 0) + 1
-        if ns is not None:
-            self._add_group_bytes(ns, gbytes)
-        self.entries += created
-        self.live_objects += adopted  # _count_in, less the tenant (a reported object has none)
-        self.live_bytes += nbytes
-        return adopted, dropped, deferred
-
-    def _add_group_bytes(self, ns: NamespaceRecord, gbytes: list[int]) -> None:
-        names = ns.layout.group_names
-        for g, n in enumerate(gbytes):
-            if n:
-                self.group_bytes[names[g]] += n
-                gbytes[g] = 0
 
     def _after_chunk(
         self,
@@ -493,119 +271,6 @@ class Rebuild(Tiers):
             for rec in deferred:
                 self._park(rec, where)
         return got
-
-    def _adopt_known(self, ns: NamespaceRecord, rec: Parked, now: float) -> tuple[int, int]:
-        """Adopt a record of a known namespace (not on the parked books), creating
-        its entry under its parent; park it while its parent is unknown. Returns
-        (adopted, dropped)."""
-        srv = rec.server
-        assert srv is not None
-        if self._clash(srv, rec):
-            self.counters["report_invalid"] += 1
-            self._release_parked(rec)
-            return 0, 1
-        entries = ns.entries
-        entry = entries.get(rec.key)
-        if entry is None:
-            parent = None
-            if rec.pos:
-                parent = entries.get(rec.parent)
-                if parent is None or parent.pos + 1 != rec.pos:
-                    self._park(rec, self.parked_parent.setdefault(rec.namespace, []))
-                    return 0, 0
-            groups = len(ns.layout.group_windows)  # num_groups, without the property call
-            entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, groups)
-            self.entries += 1
-            if ns.full_group is not None:
-                ns.full_holes += 1
-            if parent is not None:
-                parent.children += 1
-        if self._adopt(ns, entry, rec, now):
-            return 1, 0
-        return 0, 1
-
-    @staticmethod
-    def _clash(srv: ServerRecord, rec: Parked) -> bool:
-        """A DRAM record at an offset another reported record holds (one not on the
-        parked books: records waiting for a parent are checked again)."""
-        if rec.tier != 0:
-            return False
-        held = srv.reported if srv.reported is not None else {}
-        other = srv.parked.get(rec.offset)
-        return rec.offset in held or (other is not None and other is not rec)
-
-    def _park(self, rec: Parked, where: list[Parked]) -> None:
-        where.append(rec)
-        self.parked_all[id(rec)] = rec
-        srv = rec.server
-        assert srv is not None
-        if rec.tier == 0:
-            srv.parked[rec.offset] = rec
-        self.counters["objects_parked"] += 1
-        while len(self.parked_all) > self.cfg.max_parked_objects:
-            old = self.parked_all.pop(next(iter(self.parked_all)))
-            self._unpark(old)
-            self._release_parked(old)
-            self.counters["parked_dropped"] += 1
-
-    def _unpark(self, rec: Parked) -> None:
-        """Take ``rec`` off the parked books (not its lists: they are consumed whole,
-        and a stale entry there is skipped)."""
-        self.parked_all.pop(id(rec), None)
-        srv = rec.server
-        if srv is not None and rec.tier == 0 and srv.parked.get(rec.offset) is rec:
-            del srv.parked[rec.offset]
-
-    def _release_parked(self, rec: Parked) -> None:
-        """A reported object that will not be adopted: its server drops it (and its
-        DRAM range, if already in the allocator, is freed)."""
-        srv = rec.server
-        if srv is None or not srv.alive:
-            return
-        if rec.tier == 1:
-            srv.drop_out.append((rec.offset, rec.length))
-        elif rec.allocated:
-            rec.allocated = False
-            self._free_range(srv, rec.offset, rec.length)
-        elif srv.reported is not None:
-            # Nothing is placed on a server before its report is complete: the
-            # range holds no one else's object, the server may drop the record.
-            srv.freed.append((rec.offset, rec.length))
-
-    def _adopt(self, ns: NamespaceRecord, entry: BlockEntry, rec: Parked, now: float) -> bool:
-        srv = rec.server
-        assert srv is not None
-        layout = ns.layout
-        g = rec.group
-        if (
-            g >= len(entry.objects)  # num_groups
-            or rec.length != layout.group_object_bytes[g]
-            or len(rec.sums) != 8 * len(layout.group_layers[g])
-            or (rec.layer_bytes and rec.layer_bytes != group_layer_bytes(layout, g))
-        ):
-            self.counters["report_invalid"] += 1
-            self._release_parked(rec)
-            self._prune(ns, entry)
-            return False
-        have = entry.objects[g]
-        if have is not None:
-            if have.server is srv and have.tier == rec.tier and have.offset == rec.offset:
-                return False  # reported again (a re-registration): already adopted
-            self.counters["report_duplicates"] += 1
-            self._release_parked(rec)
-            return False
-        seq = rec.seq
-        last = now - 1.0 + (seq if seq < 10**9 else 10**9) * 1e-9  # recency(now, seq)
-        obj = ObjectRecord(entry, g, srv, rec.offset, rec.length, rec.sums, last, "", rec.tier)
-        self._link_object(ns, entry, obj)
-        self.live_objects += 1  # _count_in, less the tenant (a reported object has none)
-        self.live_bytes += rec.length
-        self.group_bytes[layout.group_names[g]] += rec.length
-        if rec.tier == 0 and srv.reported is not None:
-            srv.reported[rec.offset] = obj
-        # (Adopted after the report completed, it was parked: its range is allocated.)
-        self._pol(obj).admit(obj, ns)
-        return True
 
     def _complete(self, srv: ServerRecord) -> None:
         """The report of ``srv`` is complete: build its allocator with every
