@@ -304,6 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "parked_total": int(c.get("objects_parked", 0)),
         "index_entries": int(c.get("index_entries", 0)),
         "reports_completed": int(c.get("reports_completed", 0)),
+        "report_holds": int(c.get("report_holds", 0)),  # streams held (meta/pacing.py)
+        "report_held_s": round(c.get("report_held_ms", 0) / 1000, 2),
         "rss_before_mib": round(before["VmRSS"] / 1024, 1),
         "rss_after_mib": round(after["VmRSS"] / 1024, 1),
         "rss_peak_mib": round(after["VmHWM"] / 1024, 1),
@@ -343,6 +345,7 @@ def main() -> None:
             f"{r['adopted']} / {r['parked_left']} / {r['dropped']}",
         ),
         ("parked on the way", str(r["parked_total"])),
+        ("streams held (pacing), total", f"{r['report_holds']}, {r['report_held_s']} s"),
         (
             "meta RSS before -> after (peak)",
             f"{r['rss_before_mib']} -> {r['rss_after_mib']} MiB ({r['rss_peak_mib']})",

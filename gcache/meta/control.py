@@ -189,6 +189,8 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         return {
             "refused_unauthenticated": self.refused_unauthenticated,
             "refused_duplicate_id": self.refused_duplicate_id,
+            "report_holds": self.pacer.holds,  # report streams held (meta/pacing.py)
+            "report_held_ms": int(self.pacer.held_s * 1000),
             **{f"hotpath_{k}": v for k, v in hot.items()},
         }
 
