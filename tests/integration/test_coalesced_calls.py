@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 from gcache import wire
 from gcache.cli.deploy import LocalDeployment, fetch_stats
-from gcache.errors import E_BAD_REQUEST, RemoteError
+from gcache.errors import E_BAD_REQUEST, E_NO_SPACE, RemoteError
 from gcache.layout import LayerSpec, LayoutSpec
 from gcache_client import GCacheClient
 from gcache_client.conn import PipelinedConn
@@ -87,3 +88,53 @@ def test_one_pass_of_calls_is_one_send_each_answered_on_its_own(
     replies = after["hotpath_replies"] - before["hotpath_replies"]
     batches = after["hotpath_reply_batches"] - before["hotpath_reply_batches"]
     assert replies >= 6 and batches < replies, (replies, batches)
+
+
+def test_coalesced_lookups_past_the_lease_bound_are_refused_each_not_hung(
+    tmp_path: Path,
+) -> None:
+    """Four leased Lookups in one send against a meta that lets a connection hold two
+    leases: two get their leases, the other two an ``ERROR(E_NO_SPACE)`` of their
+    own, at once (no hang, the connection stays usable); once the two are released
+    (riding on the next Lookup), a lease is granted again."""
+    from gcache import keys as keymod
+
+    dep = LocalDeployment(
+        tmp_path, servers=1, capacity="16MiB", meta_args=["--max-leases-per-client", "2"]
+    )
+    dep.start()
+    try:
+        c = GCacheClient(dep.client_config(transport="tcp"))
+        try:
+            ns = c.register_namespace("lease-bound", LAYOUT)
+            assert c.put(ns, TOKS, make_kv(ns.layout, len(TOKS), seed=42)).ok
+        finally:
+            c.close()
+        keys = keymod.block_keys(ns.fingerprint, TOKS, LAYOUT.block_size)
+        assert dep.meta is not None
+        port = dep.meta.port
+
+        async def burst() -> tuple[list[Any], int, Any]:
+            conn = await PipelinedConn.open("127.0.0.1", port, 5.0)
+            try:
+                lookups = [conn.call(wire.Lookup(ns.fingerprint, keys, True)) for _ in range(4)]
+                got = list(await asyncio.gather(*lookups, return_exceptions=True))
+                flushes = conn.flushes
+                leases = [r.lease_id for r in got if isinstance(r, wire.LookupResult)]
+                again = await conn.call(wire.Lookup(ns.fingerprint, keys, True, leases))
+                return got, flushes, again
+            finally:
+                conn.close()
+
+        # A hung item would fail as ConnectionLost ("no reply within") at its
+        # timeout, not as the meta's E_NO_SPACE.
+        got, flushes, again = asyncio.run(burst())
+        assert flushes == 1
+        ok = [r for r in got if isinstance(r, wire.LookupResult)]
+        refused = [r for r in got if isinstance(r, RemoteError)]
+        assert len(ok) == 2 and all(r.lease_id for r in ok), got
+        assert len(refused) == 2 and all(r.code == E_NO_SPACE for r in refused), got
+        assert isinstance(again, wire.LookupResult) and again.lease_id
+    finally:
+        codes = dep.stop()
+    assert all(code == 0 for code in codes.values()), codes
