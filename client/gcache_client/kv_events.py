@@ -369,6 +369,7 @@ class RemovalWatcher:
 
         req = pb.WatchRemovalsRequest(namespace=fp, keepalive_s=self.keepalive_s)
         lost = False  # removals may have been missed before the next stream
+        warned = False  # one line per outage, not one per retry
         while not self._closed.is_set():
             call = self._stub.WatchRemovals(req, metadata=self._md)
             with self._lock:
@@ -382,6 +383,9 @@ class RemovalWatcher:
                         self.connected.add(fp)
                         first = False
                         lost = False
+                        if warned:
+                            log.info("GCache removal stream of namespace %s is back", fp.hex())
+                            warned = False
                     self.counters["batches"] += 1
                     self.counters["removed"] += len(removed)
                     if gap:
@@ -404,7 +408,15 @@ class RemovalWatcher:
                     )
                     break
                 self.counters["stream_errors"] += 1
-                log.debug("removal stream of %s broke: %s", fp.hex(), exc)
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "GCache removal stream of namespace %s lost (%s); every block "
+                        "announced so far is reported removed; retrying every %.1f s",
+                        fp.hex(),
+                        exc.details() if hasattr(exc, "details") else exc,
+                        self.retry_s,
+                    )
             finally:
                 self.connected.discard(fp)
                 with self._lock:

@@ -62,7 +62,9 @@ class SchedulerEvents:
     def __init__(
         self, cfg: BridgeConfig, lmap: LayerMap, bridge: KVBridge, *, watch: bool = True
     ) -> None:
+        """``watch``: vLLM publishes KV events (``--kv-events-config``)."""
         self.bridge = bridge
+        self.enabled = watch  # vLLM publishes KV events: else nothing is kept
         self.lgroup, self.window = group_maps(lmap)
         self.table = ReportedBlocks(self.lgroup, cfg.max_reported_blocks)
         self._lock = threading.Lock()
@@ -87,6 +89,8 @@ class SchedulerEvents:
 
     def worker_events(self, events: Iterable[Any]) -> None:
         """The events a step's ``KVConnectorOutput`` carried."""
+        if not self.enabled:
+            return
         out: list[KVCacheEvent] = []
         for ev in events:
             if isinstance(ev, BlockStored) and ev.medium == MEDIUM and ev.group_idx is not None:
