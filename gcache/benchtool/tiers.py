@@ -11,9 +11,11 @@
   (sampled every 20 ms, so the interval is never shorter than the real one). The
   row also says how many puts waited and whether anything was evicted.
 * ``read``: the same fill (untimed), then every object the meta lists on tier 1 is
-  read back through the client over TCP (``match`` with a lease, the server's
-  ``O_DIRECT`` read into a pooled buffer, the reply, the checksum check,
-  ``release``), ``--qd`` in flight.
+  read back through the client (``match`` with a lease, the read, the checksum
+  check, ``release``), ``--qd`` in flight. ``--transport tcp``: the server reads the
+  object in ``O_DIRECT`` pieces and sends each as it lands; ``--transport shm``:
+  the server reads it into its staging file, which the client maps and copies out
+  of (gcache/server/staging.py).
 """
 
 from __future__ import annotations
