@@ -19,6 +19,7 @@ every layer of a group reads the same objects, so they are planned once.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,15 @@ def _ordered_copier() -> ThreadPoolExecutor:
         if _COPIER is None:
             _COPIER = ThreadPoolExecutor(1, thread_name_prefix="gcache-layer-copy")
         return _COPIER
+
+
+def _forget_copier() -> None:
+    """A forked child has no copy thread: it makes its own on first use."""
+    global _COPIER, _COPIER_LOCK
+    _COPIER, _COPIER_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_copier)
 
 
 def layer_nbytes(client: AsyncGCacheClient, match: Match, layer: int) -> int:

@@ -50,3 +50,22 @@ def test_a_cancelled_copy_is_waited_for() -> None:
         assert done.is_set()  # the copy had finished before the cancel returned
 
     asyncio.run(main())
+
+
+def test_a_forked_child_gets_its_own_copy_thread() -> None:
+    """The ordered copy thread does not survive fork(): a child that inherited the
+    parent's executor would queue its copies to a thread that does not exist."""
+    import os
+
+    async def one() -> int:
+        return await LayerReads().copy(lambda: 7)
+
+    assert asyncio.run(one()) == 7  # the parent's thread exists now
+    pid = os.fork()
+    if pid == 0:  # child: must not hang; exit code says whether it worked
+        try:
+            os._exit(0 if asyncio.run(asyncio.wait_for(one(), 5)) == 7 else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
