@@ -41,8 +41,8 @@ import zlib
 from typing import Final
 
 import numpy as np
-import xxhash
 
+from gcache import _native
 from gcache.errors import GCacheError
 from gcache.storage.manifest import StoredRecord
 
@@ -92,6 +92,13 @@ def geometry(size: int) -> tuple[int, int, int]:
             f"{2 * MIN_REGION} bytes (two 1 MiB regions)"
         )
     return files, regions, region
+
+
+def payload_hash(payload: memoryview) -> int:
+    """xxh3-64 of a whole payload (the record's ``phash``), hashed by the native
+    kernel without the GIL: the disk thread's hash no longer stalls the server's
+    event loop (it was 15 % of the demotion thread's time, holding the GIL)."""
+    return int.from_bytes(_native.checksums([payload], 1), "big")
 
 
 class NvmeObject:
@@ -366,7 +373,7 @@ class NvmeTier:
                     if self.verify:
                         view = memoryview(buf)[: rec.length]
                         preadv_exact(f.rfd, view, base + pos + BLOCK)
-                        ok = xxhash.xxh3_64_intdigest(view) == phash
+                        ok = payload_hash(view) == phash
                     if ok:
                         rec.offset = self.address(region.index, pos)
                         self._index(region, pos, rec)
@@ -434,7 +441,7 @@ class NvmeTier:
         rec.seq = self.seq
         rec.tier = 1
         rec.length = length
-        phash = xxhash.xxh3_64_intdigest(payload)
+        phash = payload_hash(payload)
         hdr = pack_record(rec, region.gen, phash)
         head = memoryview(self._head)
         head[:] = bytes(BLOCK)
