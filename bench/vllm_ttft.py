@@ -200,8 +200,60 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
         if cmd["way"] == "done":
             break
         prompt = ps["first" if cmd["way"] == "cold" else "second"][cmd["i"]]
-        print("RESULT " + json.dumps(ttft(llm, prompt)), flush=True)
+        before = worker_threads()
+        t, tok = ttft(llm, prompt)
+        print("RESULT " + json.dumps([t, tok, thread_delta(before, worker_threads())]), flush=True)
     return {"counters": counters(llm)}
+
+
+def worker_threads() -> dict[str, list[float]]:
+    """Per thread of this instance's vLLM worker process (a descendant named
+    ``VLLM::Worker``): [CPU seconds, involuntary context switches, CPUs allowed]."""
+    out: dict[str, list[float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in Path("/proc").iterdir():
+        try:
+            if not pid.name.isdigit() or (pid / "comm").read_text().strip() != "VLLM::Worker":
+                continue
+            if not _descends(int(pid.name), os.getpid()):
+                continue
+            for task in (pid / "task").iterdir():
+                stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                status = dict(ln.split(":", 1) for ln in (task / "status").read_text().splitlines())
+                cpu = (int(stat[11]) + int(stat[12])) / tick
+                nv = float(status["nonvoluntary_ctxt_switches"])
+                tag = f"{pid.name}/{task.name}:{status['Cpus_allowed_list'].strip()}"
+                out[tag] = [cpu, nv]
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def _descends(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            return False
+    return False
+
+
+def thread_delta(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, Any]:
+    """What one request cost the worker's threads: the main thread's (OpenMP thread
+    0) involuntary switches, and CPU seconds per CPU mask (threads that ran)."""
+    main_nv = 0.0
+    cpu: dict[str, float] = {}
+    for tag, (c, nv) in b.items():
+        c0, nv0 = a.get(tag, [0.0, 0.0])
+        pid_tid, mask = tag.split(":", 1)
+        pid, tid = pid_tid.split("/")
+        if pid == tid:
+            main_nv = nv - nv0
+        if c > c0:
+            cpu[mask] = round(cpu.get(mask, 0.0) + c - c0, 3)
+    return {"main_involuntary_switches": main_nv, "cpu_s_by_mask": cpu}
 
 
 # ---- the driver -----------------------------------------------------------------------
@@ -216,8 +268,11 @@ def phase_cmd(args: argparse.Namespace, name: str, connector: dict[str, Any] | N
     return cmd
 
 
-def phase_env(args: argparse.Namespace) -> dict[str, str]:
-    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
+def phase_env(args: argparse.Namespace, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
+    if args.omp_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    return {**env, **(extra or {})}
 
 
 def run_phase(args: argparse.Namespace, name: str, connector: dict[str, Any] | None) -> Any:
@@ -237,13 +292,17 @@ class Instance:
     """A vLLM instance kept up in a child process, taking prompts one at a time."""
 
     def __init__(
-        self, args: argparse.Namespace, name: str, connector: dict[str, Any] | None
+        self,
+        args: argparse.Namespace,
+        name: str,
+        connector: dict[str, Any] | None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the child)
         self.proc = subprocess.Popen(
-            phase_cmd(args, name, connector),
-            env=phase_env(args),
+            phase_cmd(args, "reader" if connector is not None else name, connector),
+            env=phase_env(args, env),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -298,31 +357,42 @@ def main_driver(args: argparse.Namespace) -> None:
             writer = run_phase(args, "writer", conn)
             loc = Instance(args, "local", None)
             cold_r = [loc.ask("cold", i) for i in range(args.repeat)]
-            rdr = Instance(args, "reader", conn)
-            ideal_r: list[Any] = []
-            gc_r: list[Any] = []
-            for i in range(args.repeat):  # in turns: ideal, gcache, gcache, ideal, ...
-                pair = [(ideal_r, loc, "ideal"), (gc_r, rdr, "gcache")]
-                for out, inst, way in pair if i % 2 == 0 else pair[::-1]:
-                    out.append(inst.ask(way, i))
+            readers = {
+                # Readers load only: one way's stores must not serve another's prompt.
+                name: Instance(args, name, {**conn, "store": False, **way["extra"]}, way["env"])
+                for name, way in reader_ways(args).items()
+            }
+            results: dict[str, list[Any]] = {"ideal": [], **{n: [] for n in readers}}
+            turn: list[tuple[str, Instance]] = [("ideal", loc), *readers.items()]
+            loads: list[str] = []
+            for i in range(args.repeat):  # in turns: ideal, A, B, B, A, ideal, ...
+                loads.append(Path("/proc/loadavg").read_text().strip())
+                for name, inst in turn if i % 2 == 0 else turn[::-1]:
+                    results[name].append(inst.ask("ideal" if inst is loc else "gcache", i))
             local = {"counters": loc.close()["counters"]}
-            reader = {"counters": rdr.close()["counters"]}
+            rcounters = {n: r.close()["counters"] for n, r in readers.items()}
             meta = d.stats()
-    cold = [t for t, _ in cold_r]
-    ideal = [t for t, _ in ideal_r]
-    gc = [t for t, _ in gc_r]
-    same = [a[1] == b[1] for a, b in zip(ideal_r, gc_r, strict=True)]
+    cold = [r[0] for r in cold_r]
+    runs = {"cold": cold, **{n: [x[0] for x in r] for n, r in results.items()}}
+    threads = {n: [x[2] for x in r] for n, r in results.items()}
+    ideal = runs["ideal"]
+    same = {
+        n: all(a[1] == b[1] for a, b in zip(results["ideal"], r, strict=True))
+        for n, r in results.items()
+    }
     row = {
         "cold_s": statistics.median(cold),
         "ideal_s": statistics.median(ideal),
-        "gcache_s": statistics.median(gc),
-        "runs": {"cold": cold, "ideal": ideal, "gcache": gc},
-        "gcache_over_ideal": statistics.median(gc) / statistics.median(ideal),
-        "first_tokens_equal": all(same),
+        "runs": runs,
+        "over_ideal": {n: statistics.median(r) / statistics.median(ideal) for n, r in runs.items()},
+        "first_tokens_equal": same,
+        "loadavg": loads,
+        "worker_threads": threads,
         "local_counters": local["counters"],
         "writer_counters": writer["counters"],
-        "reader_counters": reader["counters"],
+        "reader_counters": rcounters,
         "meta_objects": getattr(meta, "objects", None),
+        "omp_bind": args.omp_bind,
     }
     n = args.prefix + args.suffix
     print()
@@ -331,22 +401,45 @@ def main_driver(args: argparse.Namespace) -> None:
         f"{args.hidden} ({args.heads} heads, {args.kv_heads} KV heads), float32, "
         f"{args.repeat} prompts each"
     )
-    print(f"{'way':<8} {'TTFT median [s]':>16} {'vs ideal':>9}   runs [s]")
-    for name, runs in (("cold", cold), ("ideal", ideal), ("gcache", gc)):
-        med = statistics.median(runs)
+    print(f"{'way':<16} {'TTFT median [s]':>16} {'vs ideal':>9}   runs [s]")
+    for name, r in runs.items():
+        med = statistics.median(r)
         print(
-            f"{name:<8} {med:>16.3f} {med / row['ideal_s']:>8.2f}x   "
-            + " ".join(f"{r:.3f}" for r in runs)
+            f"{name:<16} {med:>16.3f} {med / row['ideal_s']:>8.2f}x   "
+            + " ".join(f"{x:.3f}" for x in r)
         )
-    rc = reader["counters"]
+    for name, rc in rcounters.items():
+        print(
+            f"{name}: {rc['external_tokens']} prompt tokens loaded from GCache "
+            f"(vLLM external_kv_transfer), local cache {rc['local_cache_tokens']}; "
+            f"first tokens equal to ideal: {same[name]}"
+        )
     print(
-        f"reader: {rc['external_tokens']} prompt tokens loaded from GCache "
-        f"(vLLM external_kv_transfer), local cache {rc['local_cache_tokens']}; "
         f"ideal run's local cache tokens {local['counters']['local_cache_tokens']}; "
-        f"first tokens equal: {row['first_tokens_equal']}"
+        f"load average at each turn: {loads}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))
+
+
+DEFAULT_READERS = json.dumps(
+    {
+        "gcache": {},  # the defaults: load_mode auto, client_cpus auto
+        "gcache_async": {"load_mode": "async"},
+        "gcache_unplaced": {"load_mode": "layerwise", "client_cpus": "none"},  # until 12/2026
+    }
+)
+
+
+def reader_ways(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--readers``: way name -> extra connector settings; a key ``env`` inside
+    holds environment variables for that instance only."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, extra in json.loads(args.readers).items():
+        extra = dict(extra)
+        env = {k: str(v) for k, v in extra.pop("env", {}).items()}
+        out[name] = {"extra": extra, "env": env}
+    return out
 
 
 def main() -> None:
@@ -362,10 +455,21 @@ def main() -> None:
     ap.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--capacity", default="1GiB", help="the GCache server's capacity")
     ap.add_argument("--transport", default="shm", choices=("shm", "tcp"))
+    ap.add_argument(
+        "--omp-bind",
+        default="",
+        help="VLLM_CPU_OMP_THREADS_BIND for every instance (default: vLLM's choice, which "
+        "reserves a core more with a KV connector: the ideal and GCache ways then differ)",
+    )
     ap.add_argument("--settle", type=float, default=3.0, help="s for the writer's stores")
     ap.add_argument("--model", default="", help="a checkpoint dir (default: write one)")
     ap.add_argument("--json", default="", help="write the results here too")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
+    ap.add_argument(
+        "--readers",
+        default=DEFAULT_READERS,
+        help="GCache reader instances, each a way: JSON name -> extra connector settings",
+    )
     ap.add_argument("--phase", choices=("local", "writer", "reader"), help=argparse.SUPPRESS)
     ap.add_argument("--connector", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()

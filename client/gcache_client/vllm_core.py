@@ -38,11 +38,12 @@ from gcache.config import ClientConfig
 from gcache.errors import ConfigError, GCacheError
 from gcache_client.sync import GCacheClient
 from gcache_client.types import KVPair, Match, Namespace, PutResult
+from gcache_client.vllm_cpus import parse_cpu_list
 
 log = logging.getLogger("gcache.client.engine_bridge")
 
 _CLIENT_FIELDS = {f.name for f in dataclasses.fields(ClientConfig)}
-LOAD_MODES = ("layerwise", "async")
+LOAD_MODES = ("auto", "layerwise", "before", "async")
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,18 @@ class BridgeConfig:
     max_pending_stores: int = 4  # background stores in flight before a store waits
     max_namespaces: int = 64  # cache_salt namespaces kept registered per process
     # "layerwise": a hit loads during the request's first forward, layer by layer
-    # (the forward waits per layer); "async": a hit loads before the request is
+    # (the forward waits per layer); "before": the step's loads are read whole
+    # before its forward starts (nothing reads during the forward); "auto": layerwise
+    # where the client's threads have a CPU of their own (see client_cpus), else
+    # before; "async": a hit loads before the request is
     # scheduled (vLLM's WAITING_FOR_REMOTE_KVS) and a failed load is reported per
     # request, so vLLM recomputes it with any number of KV cache groups.
-    load_mode: str = "layerwise"
+    load_mode: str = "auto"
     max_async_loads: int = 64  # async loads queued per worker before a step waits
+    # CPUs for the client's threads in a vLLM CPU worker: "auto" = those vLLM bound
+    # no OpenMP thread to, "none" = leave them, or a list ("1,3-4") (vllm_cpus).
+    client_cpus: str = "auto"
+    store: bool = True  # False: this instance only loads (vLLM's kv_role kv_consumer)
     # KV events (with vLLM's --kv-events-config): report blocks GCache removed as
     # BlockRemoved(medium="GCACHE") (follows the meta's WatchRemovals stream), for
     # at most max_reported_blocks announced blocks (past it the oldest is retracted).
@@ -73,6 +81,8 @@ class BridgeConfig:
             raise ConfigError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
         if self.max_async_loads < 1:
             raise ConfigError(f"max_async_loads must be >= 1, got {self.max_async_loads}")
+        if self.client_cpus not in ("auto", "none"):
+            parse_cpu_list(self.client_cpus)
         if self.max_pending_stores < 1:
             raise ConfigError(f"max_pending_stores must be >= 1, got {self.max_pending_stores}")
         if self.max_namespaces < 1:

@@ -80,6 +80,8 @@ def layer_map(kv_cache_config: KVCacheConfig, dtype: torch.dtype) -> LayerMap:
 def bridge_config(vllm_config: VllmConfig) -> BridgeConfig:
     kvc = vllm_config.kv_transfer_config
     extra = dict(kvc.kv_connector_extra_config or {}) if kvc is not None else {}
+    if kvc is not None and kvc.kv_role == "kv_consumer":
+        extra["store"] = False  # loads only
     return BridgeConfig.from_extra(extra)
 
 

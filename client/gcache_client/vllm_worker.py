@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from vllm.distributed.kv_events import BlockStored, KVCacheEvent
 from gcache import keys as keymod
 from gcache import layout as laymod
 from gcache_client import arrays
+from gcache_client import vllm_cpus as cpus
 from gcache_client.sync import SyncLayerStream
 from gcache_client.types import KVPair, Match, PutResult
 from gcache_client.vllm_async import AsyncLoader, LoadJob
@@ -84,10 +86,29 @@ class _Worker:
         self._stats_lock = threading.Lock()  # the async loader counts too
         self.to_start: list[ReqStep] = []  # this step's loads, not started yet
         self.loader = AsyncLoader(cfg.max_async_loads) if cfg.load_mode == "async" else None
+        self.store = cfg.store
+        avail = cpus.available_cpus()
+        self.placer = cpus.ThreadPlacer(cpus.client_cpus(cfg.client_cpus, os.environ, avail))
+        self.load_before = cfg.load_mode == "before" or (
+            cfg.load_mode == "auto" and cpus.shares_omp_cores(self.placer.cpus, os.environ, avail)
+        )
+        omp = cpus.omp_cpus(os.environ)
+        how = "layer by layer during the forward"
+        if self.loader is not None:
+            how = "async, before the request is scheduled"
+        elif self.load_before:
+            how = "whole, before the forward"
+        log.info(
+            "GCache connector: client threads on CPUs %s (vLLM's OpenMP threads on %s); loads %s",
+            sorted(self.placer.cpus) if self.placer.cpus is not None else "as started",
+            sorted(omp) if omp is not None else "unbound",
+            how,
+        )
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.caches = dict(kv_caches)
         self.views = {name: kv_views(t) for name, t in self.caches.items()}
+        self.placer.place()
 
     def _blocks_of(self, lo: int, hi: int, block_ids: tuple[list[int], ...]) -> set[int]:
         out: set[int] = set()
@@ -111,12 +132,18 @@ class _Worker:
         self.loads = []
         self.to_start = [st for st in meta.steps if st.load is not None]
         for st in meta.steps:
-            if st.tokens is not None and st.store_len > 0 and st.req_id not in self.staging:
+            if (
+                self.store
+                and st.tokens is not None
+                and st.store_len > 0
+                and st.req_id not in self.staging
+            ):
                 self._new_staging(st)
 
     def start_step(self, meta: GCacheConnectorMetadata) -> None:
         self.prepare(meta)
         todo, self.to_start = self.to_start, []
+        self.placer.place()
         for st in todo:
             ld = self._start_load(st)
             if not st.async_load:
@@ -124,6 +151,8 @@ class _Worker:
             else:
                 assert self.loader is not None  # the scheduler has the same load_mode
                 self.loader.submit(LoadJob(st.req_id, functools.partial(self._load_all, ld)))
+        if self.loads and self.load_before:  # read whole now: nothing reads during the forward
+            self.wait_layer(self.lmap.names[-1])
 
     def _new_staging(self, st: ReqStep) -> None:
         n = st.store_len
@@ -264,6 +293,7 @@ class _Worker:
                 del self.staging[st.req_id]
                 self._submit(stg)
         self.steps = []
+        self.placer.place()  # a store thread started by this step
 
     def _submit(self, stg: _Staging) -> None:
         kv: list[KVPair] = []
