@@ -1,5 +1,5 @@
 """Time to first token in vLLM (CPU) for a long prompt whose prefix was seen before,
-three ways in one run:
+several ways in one run:
 
 * ``cold``: the prompt in a vLLM instance that has never seen it;
 * ``ideal``: the same instance again, with a new ending after the same prefix:
@@ -20,9 +20,17 @@ vLLM instance runs in its own process (the ``--phase`` entry points below), with
 the same settings; GCache is a real ``gcache up`` (``LocalDeployment``) with one
 server on this machine (shared-memory transport).
 
-The *ideal* and *gcache* instances stay up side by side and take their timed
-prompts in turns (ideal, gcache, gcache, ideal, ...), so a change in the load of
-a shared machine hits both ways alike; the writer has finished before.
+The *ideal* instance and one GCache reader per way (``--readers``: way name ->
+connector settings, default the connector's defaults, ``load_mode: async`` and
+the pre-12/2026 placement) stay up side by side and take their timed prompts in
+turns (ideal, A, B, B, A, ideal, ...), so a change in the load of a shared machine
+hits every way alike; the writer has finished before. Readers load only
+(``store: false``): one way's stores must not serve another's prompt.
+``--omp-bind`` gives every instance the same OpenMP cores: by default vLLM
+reserves one core more for an instance with a KV connector, and on a small
+machine the ideal and the readers then run different numbers of OpenMP threads.
+Each timed request also reports the vLLM worker's threads: the main (OpenMP 0)
+thread's involuntary context switches and CPU seconds per CPU mask.
 """
 
 from __future__ import annotations
