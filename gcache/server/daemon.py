@@ -35,7 +35,7 @@ from gcache.errors import (
 )
 from gcache.server.core import DataPlaneCore
 from gcache.server.nvme_reads import NvmeReplies, new_counters, read_staged
-from gcache.server.staging import StagingArea, remove_dead_staging_files
+from gcache.server.staging import StagingArea, remove_dead_staging_files, staging_path
 from gcache.server.tiered import ReadBudget, ReadBuffers, TieredReadReply
 from gcache.server.tiers import TierState
 from gcache.startup import OneLineParser, install_uvloop, listen_tcp, run_main, setup_logging
@@ -454,7 +454,7 @@ class StorageServer:
             remove_dead_staging_files(cfg.shm_dir, self.segment.path)
             self.staging = await asyncio.to_thread(  # reserves and faults in: off the loop
                 StagingArea,
-                self.segment.path + ".stage",
+                staging_path(self.segment.path),
                 cfg.staging_size_bytes,
                 cfg.staging_ttl_s,
                 max(cfg.staging_size_bytes // 2, 4096),

@@ -149,6 +149,13 @@ class StagingArea:
             pass
 
 
+def staging_path(segment_path: str) -> str:
+    """``gcache-<id>-<pid>.seg`` -> ``gcache-<id>-<pid>.stage`` (never matched as a
+    segment file by tools that look for ``*.seg``)."""
+    stem = segment_path[:-4] if segment_path.endswith(".seg") else segment_path
+    return stem + ".stage"
+
+
 def remove_dead_staging_files(shm_dir: str, segment_path: str) -> list[str]:
     """Staging files a killed predecessor of this server left in ``shm_dir`` (same
     name as this server's segment but for the process id, which is gone)."""
