@@ -4,40 +4,17 @@ held by the session that asked, released only by it (or by expiry or its end).""
 from __future__ import annotations
 
 import heapq
-import os
-from collections.abc import Container
 from operator import attrgetter, itemgetter
 
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S
 from gcache.errors import E_NO_SPACE, Refusal
-from gcache.meta.puts import Puts, wall_ms
+from gcache.meta.puts import IdSource, Puts, wall_ms
 from gcache.meta.reclaim import present_prefix
 from gcache.meta.records import EVICTED, LIVE, BlockEntry, Lease, NamespaceRecord, ObjectRecord
 from gcache.meta.session import LOCAL, Session
 
 _OBJECTS = attrgetter("objects")
-
-
-class IdSource:
-    """Random non-zero 64-bit ids, unguessable (the kernel's CSPRNG), drawn
-    ``batch`` at a time: one ``getrandom`` per 512 leases instead of one per lease
-    (``secrets.randbits``), which the meta's profile showed on every leased Lookup."""
-
-    __slots__ = ("_ids",)
-
-    def __init__(self) -> None:
-        self._ids: list[int] = []
-
-    def next(self, taken: Container[int], batch: int = 512) -> int:
-        ids = self._ids
-        while True:
-            if not ids:
-                raw = os.urandom(8 * batch)
-                ids += (int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8))
-            i = ids.pop()
-            if i and i not in taken:
-                return i
 
 
 _LEASE_IDS = IdSource()
