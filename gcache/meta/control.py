@@ -23,7 +23,7 @@ from gcache.errors import LayoutError, ProtocolError, Refusal
 from gcache.layout import decode_spec
 from gcache.meta.core import MetaCore
 from gcache.meta.events import FeedFull
-from gcache.meta.pacing import ReportPacer
+from gcache.meta.pacing import MAX_VAIN, ReportPacer
 from gcache.meta.rebuild import Parked
 from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord, group_layer_bytes
 from gcache.meta.tiers import Demotion, Promotion
@@ -274,7 +274,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 self.pacer.ended()
 
     async def _report_objects(self, request_iterator: Any, context: Any) -> Any:
-        adopted = dropped = 0
+        adopted = dropped = vain = 0
         server_id = ""
         async for chunk in request_iterator:
             if chunk.epoch != self.core.epoch:
@@ -314,8 +314,9 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             dropped += got[1]
             server_id = chunk.server_id
             self.pacer.changed()  # what waited for a parent may be adopted now
-            if not chunk.last:  # by block position with the other streams
-                await self.pacer.pace(functools.partial(self.core.deferred_of, server_id))
+            waiting = functools.partial(self.core.deferred_of, server_id)
+            if not chunk.last and vain < MAX_VAIN and not await self.pacer.pace(waiting):
+                vain += 1  # by block position with the other streams, unless in vain
         parked = self.core.parked_of(server_id) if server_id else 0
         log.info(
             "server %s reported what it holds: %d objects adopted, %d dropped, %d waiting "

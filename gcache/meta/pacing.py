@@ -9,8 +9,10 @@ whose last chunk left records waiting for a parent is not read further until
 those records were adopted (another stream's chunk brought their parents), or
 every other stream in progress is waiting too (someone must go on), or
 :data:`MAX_HOLD_S` passed. gRPC's flow control holds the server's next chunks
-meanwhile. The decision is :func:`hold`, plain code; :class:`ReportPacer` only
-drives it on the event loop.
+meanwhile. A stream whose waits were :data:`MAX_VAIN` times in vain (a server that
+does not send in block order: holding it only idles the meta) is not held again.
+The decision is :func:`hold`, plain code; :class:`ReportPacer` only drives it on
+the event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Final
 
 MAX_HOLD_S: Final = 0.25  # longest a stream waits after one chunk
+MAX_VAIN: Final = 2  # a stream whose waits were in vain this often is not held again
 
 
 def hold(waiting_records: int, streams_waiting: int, streams_active: int, held_s: float) -> bool:
@@ -39,6 +42,7 @@ class ReportPacer:
         self.active = 0
         self.waiting = 0
         self.holds = 0  # chunks after which a stream waited
+        self.vain = 0  # waits that ended with records still waiting
         self.held_s = 0.0
         self._changed = asyncio.Event()
 
@@ -54,19 +58,24 @@ class ReportPacer:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def pace(self, waiting_records: Callable[[], int]) -> None:
-        """Wait while :func:`hold` says so."""
+    async def pace(self, waiting_records: Callable[[], int]) -> bool:
+        """Wait while :func:`hold` says so. False when it waited in vain (records
+        still wait for a parent: a stream that does not come in block order, whose
+        caller stops pacing it, see :data:`MAX_VAIN`)."""
         t0 = self.clock()
         if not hold(waiting_records(), self.waiting, self.active, 0.0):
-            return
+            return True
         self.holds += 1
         self.waiting += 1
         self.changed()
         try:
             while True:
                 held = self.clock() - t0
-                if not hold(waiting_records(), self.waiting - 1, self.active, held):
-                    return
+                left = waiting_records()
+                if not hold(left, self.waiting - 1, self.active, held):
+                    if left:
+                        self.vain += 1
+                    return left == 0
                 try:
                     await asyncio.wait_for(self._changed.wait(), MAX_HOLD_S - held)
                 except TimeoutError:
