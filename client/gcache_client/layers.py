@@ -120,6 +120,11 @@ class LayerStream:
         self._num = match.namespace.layout.num_layers if match.blocks else 0
         self._bytes = [layer_nbytes(client, match, i) for i in range(self._num)]
         self.reads = LayerReads()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # made off the loop (the blocking client): reads start with its pump
+        self._schedule()  # layer 0's read starts now, not at the first __anext__
 
     def _schedule(self) -> None:
         cfg = self.client.config

@@ -80,7 +80,10 @@ class GCacheClient:
         return self._run(self.aio.get(match, out))
 
     def get_layers(self, match: Match, out: Sequence[KVPair] | None = None) -> SyncLayerStream:
-        return SyncLayerStream(self, self.aio.get_layers(match, out))
+        """Reads start now (layer 0 first), not at the first ``next``."""
+        stream = SyncLayerStream(self, self.aio.get_layers(match, out))
+        stream.start()
+        return stream
 
     def layer_rows(self, match: Match, layer: int) -> tuple[int, int]:
         return self.aio.layer_rows(match, layer)
@@ -135,11 +138,15 @@ class SyncLayerStream:
         finally:
             self._ready.put(self._END)
 
+    def start(self) -> None:
+        """Start the pump (and with it the reads) if it has not started."""
+        if self._pump is None and not self._done:
+            self._client._run(self._start())
+
     def __next__(self) -> LayerKV:
         if self._done:
             raise StopIteration
-        if self._pump is None:
-            self._client._run(self._start())
+        self.start()
         item = self._ready.get()
         if item is self._END or isinstance(item, asyncio.CancelledError):
             self._done = True

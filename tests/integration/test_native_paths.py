@@ -113,7 +113,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     if request.param == "python":
         monkeypatch.setattr(native, "NATIVE", False)
     elif not native.NATIVE:
-        pytest.skip("extension not built")
+        pytest.skip("native kernel not selected (GCACHE_NATIVE=0 or not built)")
     return str(request.param)
 
 
@@ -288,4 +288,23 @@ def test_a_match_is_planned_once_per_group(
     with bclient.get_layers(m) as stream:
         assert_layers_match(list(stream), kv)
     assert sorted(calls) == [0, 1]
+    bclient.release(m)
+
+
+def test_reads_start_when_the_stream_is_made(bclient: GCacheClient) -> None:
+    """get_layers starts layer 0's read at once, before the caller asks for it."""
+    import time
+
+    ns = bclient.register_namespace(f"native-{uuid.uuid4()}", "mimo-v2-flash", block_size=16)
+    kv = make_kv(ns.layout, 64, seed=6)
+    toks = tokens(64, seed=6)
+    assert bclient.put(ns, toks, kv).ok
+    m = bclient.match(ns, toks)
+    with bclient.get_layers(m) as stream:
+        deadline = time.monotonic() + 10
+        while stream._stream.started == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream._stream.started > 0  # before any next()
+        assert_layers_match(list(stream), kv)
+    assert stream.ok
     bclient.release(m)
