@@ -247,14 +247,14 @@ def test_pacer_releases_a_stream_when_its_records_are_adopted_or_all_wait() -> N
         assert not task.done() and pacer.waiting == 1
         left[0] = 0  # another stream's chunk brought the parents
         pacer.changed()
-        await asyncio.wait_for(task, 1.0)
+        assert await asyncio.wait_for(task, 1.0), "its records were adopted"
         # Both streams ahead: the second to wait goes on at once.
         first = asyncio.ensure_future(pacer.pace(lambda: 1))
         await asyncio.sleep(0.01)
-        await asyncio.wait_for(pacer.pace(lambda: 1), 0.05)
+        assert await asyncio.wait_for(pacer.pace(lambda: 1), 0.05), "did not wait"
         pacer.ended()  # the other stream ended: the first one goes on too
-        await asyncio.wait_for(first, 0.05)
-        assert pacer.waiting == 0 and pacer.holds == 2
+        assert not await asyncio.wait_for(first, 0.05), "waited in vain"
+        assert pacer.waiting == 0 and pacer.holds == 2 and pacer.vain == 1
 
     asyncio.run(run())
 
