@@ -127,10 +127,14 @@ class LayerStream:
         self._schedule()  # layer 0's read starts now, not at the first __anext__
 
     def _schedule(self) -> None:
+        """Start reads: ``layers_in_flight`` ahead, and once layer 0 was handed over
+        (it is not shared with deeper reads: over TCP they would share its socket
+        and its verification threads) as far as ``layer_bytes_in_flight`` allows."""
         cfg = self.client.config
+        budget = cfg.layer_bytes_in_flight if self._next > 0 else 0
         while self._top < self._num and (
             self._top - self._next < cfg.layers_in_flight
-            or self._ahead + self._bytes[self._top] <= cfg.layer_bytes_in_flight
+            or self._ahead + self._bytes[self._top] <= budget
         ):
             layer = self._top
             out = None if self.out is None else self.out[layer]
