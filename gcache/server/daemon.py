@@ -15,7 +15,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -34,7 +34,7 @@ from gcache.errors import (
     SendTimeout,
 )
 from gcache.server.core import DataPlaneCore
-from gcache.server.nvme_reads import NvmeReplies, new_counters, read_staged
+from gcache.server.nvme_reads import NvmeReplies, StagedReplies, new_counters, read_staged
 from gcache.server.staging import StagingArea, remove_dead_staging_files, staging_path
 from gcache.server.tiered import ReadBudget, ReadBuffers, TieredReadReply
 from gcache.server.tiers import TierState
@@ -130,6 +130,7 @@ class StorageServer:
         core = self.core
         assert core is not None
         nvme: NvmeReplies | None = None  # tier-1 replies being read and sent (issue 10)
+        staged: StagedReplies | None = None  # READ_STAGED replies being read (issue 10)
         at_head = False  # waiting for the next frame's header
 
         def replies_out() -> None:  # the queued tier-1 replies went out: idle again
@@ -139,7 +140,8 @@ class StorageServer:
         try:
             while True:
                 if conn is not None:
-                    conn.idle_since = None if nvme is not None and nvme.busy else time.monotonic()
+                    busy = (nvme is not None and nvme.busy) or (staged is not None and staged.busy)
+                    conn.idle_since = None if busy else time.monotonic()
                 at_head = True
                 head = await stream.recv_head()
                 at_head = False
@@ -148,6 +150,8 @@ class StorageServer:
                 msg = await stream.recv_body(head)
                 if nvme is not None and head.msg_type != wire.T_READ:
                     await nvme.drain()  # replies leave in request order
+                if staged is not None and head.msg_type != wire.T_READ_STAGED:
+                    await staged.drain()
                 if conn is not None and not head.payload_len:
                     conn.idle_since = None  # a whole frame: in flight until answered
                 now_ms = int(time.time() * 1000)
@@ -208,7 +212,10 @@ class StorageServer:
                 elif head.msg_type == wire.T_PING:
                     await stream.send_msg(wire.Ok(0), head.req_id)
                 elif head.msg_type == wire.T_READ_STAGED:
-                    await self._read_staged(stream, msg, head.req_id, now_ms)
+                    if staged is None:
+                        staged = StagedReplies(stream, self.nvme_reply_counters, replies_out)
+                    await staged.room()  # at most STAGED_AHEAD being read
+                    staged.put(self._read_staged(stream, msg, now_ms), head.req_id)
                 elif head.msg_type == wire.T_UNSTAGE:
                     n = 0
                     if self.staging is not None:
@@ -238,19 +245,22 @@ class StorageServer:
             stream.close()
             if nvme is not None and isinstance(await nvme.close(), SendTimeout):
                 self.limiter.send_timeouts += 1  # the tier-1 sender's peer stopped reading
+            if staged is not None and isinstance(await staged.close(), SendTimeout):
+                self.limiter.send_timeouts += 1
             if self.staging is not None:
                 self.staging.release_owner(id(stream))  # its staging ranges, if any
             if conn is not None:
                 self.limiter.release(conn)
 
-    async def _read_staged(
-        self, stream: FrameStream, msg: wire.ReadStaged, req_id: int, now_ms: int
-    ) -> None:
-        """``READ_STAGED``: tier-1 ranges read into the staging file (staging.py)."""
+    def _read_staged(
+        self, stream: FrameStream, msg: wire.ReadStaged, now_ms: int
+    ) -> Awaitable[wire.Msg] | wire.Msg:
+        """``READ_STAGED``: tier-1 ranges read into the staging file (staging.py).
+        Checked here, in request order; the disk reads are the returned awaitable
+        (:class:`StagedReplies` overlaps several of a connection)."""
         assert self.core is not None
         if self.staging is None:
-            await stream.send_msg(wire.Error(E_BAD_REQUEST, "no staging area"), req_id)
-            return
+            return wire.Error(E_BAD_REQUEST, "no staging area")
         for rid in msg.release:  # ranges the client is done with (instead of UNSTAGE)
             self.staging.release(id(stream), rid)
         try:
@@ -259,13 +269,10 @@ class StorageServer:
             self.request_log.log(
                 time.monotonic(), "refused READ_STAGED from %s: %s", stream.peer, r.message
             )
-            await stream.send_msg(wire.Error(r.code, r.message), req_id)
-            return
+            return wire.Error(r.code, r.message)
         if not isinstance(reply, TieredReadReply):
-            out: wire.Msg = wire.Error(E_BAD_REQUEST, "READ_STAGED is for tier-1 ranges only")
-        else:
-            out = await read_staged(reply, self.staging, self.read_pool, id(stream))
-        await stream.send_msg(out, req_id)
+            return wire.Error(E_BAD_REQUEST, "READ_STAGED is for tier-1 ranges only")
+        return read_staged(reply, self.staging, self.read_pool, id(stream))
 
     def _nvme_replies(self, stream: FrameStream, on_idle: Callable[[], None]) -> NvmeReplies:
         def failed(line: str) -> None:

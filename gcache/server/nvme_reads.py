@@ -28,7 +28,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from gcache import wire
@@ -52,6 +52,7 @@ PIECE: Final = 1 << 20  # bytes per disk read into the staging file (all in para
 SEND_PIECE: Final = 4 << 20
 DEPTH: Final = 4  # pieces of one reply on the disk threads at once
 AHEAD: Final = 4  # tier-1 replies of one connection started before they are sent
+STAGED_AHEAD: Final = 4  # READ_STAGED of one connection being read at once
 
 
 def _read_piece(reads: Piece) -> None:
@@ -306,6 +307,115 @@ class NvmeReplies:
             await self.stream.send_msg(wire.ReadData(total), job.req_id, batch, total)
 
 
+class StagedReplies:
+    """The ``READ_STAGED`` replies of one connection: up to ``ahead`` are read into
+    the staging file at once (the connection's reader goes on to the next request
+    while earlier ones are on the disk threads), and a sender task sends their
+    replies in request order (the client matches replies to requests in FIFO
+    order). Any other reply of the connection waits until these went out
+    (:meth:`drain`). Bounds: ``ahead`` per connection (the reader waits), and the
+    staging area's share per connection (a read past it is answered ``E_BUSY`` and
+    goes over TCP). A closed connection waits for the reads on the disk threads
+    before its ranges are freed (:meth:`close`), so no thread writes into a range
+    lent again."""
+
+    def __init__(
+        self,
+        stream: FrameStream,
+        counters: dict[str, int],
+        on_idle: Callable[[], None] = lambda: None,
+        ahead: int = STAGED_AHEAD,
+    ) -> None:
+        self.stream = stream
+        self.counters = counters  # shared by the server's connections (stats())
+        self.on_idle = on_idle
+        self.ahead = ahead
+        self.error: BaseException | None = None  # why the sender stopped
+        self._queue: deque[tuple[asyncio.Future[wire.Msg], int]] = deque()
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue)
+
+    async def room(self) -> None:
+        """Wait (backpressure) while ``ahead`` replies are queued; raises when the
+        sender failed."""
+        while len(self._queue) >= self.ahead:
+            self._raise_if_failed()
+            await self._wait_change()
+        self._raise_if_failed()
+
+    def put(self, reply: Awaitable[wire.Msg] | wire.Msg, req_id: int) -> None:
+        """Queue the reply to ``req_id`` (an awaitable: started now; a message:
+        sent in its turn). Never raises: whatever was started is awaited by
+        :meth:`close` (it holds references the read gives back)."""
+        fut: asyncio.Future[wire.Msg]
+        if isinstance(reply, wire.Msg):
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(reply)
+        else:
+            fut = asyncio.ensure_future(reply)
+        if self._queue:  # started while an earlier one of the connection is queued
+            self.counters["staged_replies_ahead"] += 1
+        self._queue.append((fut, req_id))
+        if self._task is None and self.error is None:
+            self._task = asyncio.create_task(self._send_loop())
+        self._changed.set()
+
+    async def drain(self) -> None:
+        """Wait until every queued reply went out (another reply may go next)."""
+        while self._queue:
+            self._raise_if_failed()
+            await self._wait_change()
+        self._raise_if_failed()
+
+    async def close(self) -> BaseException | None:
+        """Stop sending; wait for the reads still on the disk threads (their
+        replies are dropped). Returns why the sender stopped, if it failed."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # cancelled, or its own failure (kept in .error)
+                pass
+        while self._queue:
+            fut, _ = self._queue.popleft()
+            try:
+                await fut  # a read is never cancelled mid-way: its pieces finish first
+            except Exception:
+                pass
+        return self.error
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise ConnectionLost(f"reply failed: {self.error}")
+
+    async def _wait_change(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                while not self._queue:
+                    self.on_idle()
+                    await self._wait_change()
+                fut, req_id = self._queue[0]
+                out = await asyncio.shield(fut)  # close() waits for it, never cancels it
+                await self.stream.send_msg(out, req_id)
+                self._queue.popleft()
+                self._changed.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the peer went away, a send timed out
+            self.error = exc
+            self.stream.close()
+            self._changed.set()
+
+
 async def read_staged(
     reply: TieredReadReply,
     staging: StagingArea,
@@ -347,4 +457,9 @@ async def read_staged(
 
 def new_counters() -> dict[str, int]:
     """The counters :class:`NvmeReplies` keeps (one dict for all connections)."""
-    return {"nvme_read_pieces": 0, "nvme_replies_queued": 0, "nvme_replies_ahead": 0}
+    return {
+        "nvme_read_pieces": 0,
+        "nvme_replies_queued": 0,
+        "nvme_replies_ahead": 0,
+        "staged_replies_ahead": 0,
+    }

@@ -354,3 +354,60 @@ def test_staging_ranges_of_a_closed_connection_are_freed(deployment: LocalDeploy
     assert after["staging_freed_on_close"] == held["staging_freed_on_close"] + 2
     client.release(m)
     client.close()
+
+
+def test_staged_reads_in_flight_on_one_connection_come_back_in_order(
+    deployment: LocalDeployment,
+) -> None:
+    """Several READ_STAGED of one connection sent back to back are read into the
+    staging file at once (the server counts the ones started behind an earlier
+    one), answered in request order, each byte-exact; a PING behind them is
+    answered after them; given back, the staging area is empty again."""
+    d = deployment
+    client = GCacheClient(d.client_config(transport="tcp"))
+    ns = client.register_namespace("nvme-reads-staged-ahead", layout(*SIZES[1]))
+    data = [kv(*SIZES[1], 10 + s) for s in range(2)]
+    for s in range(2):
+        put(client, ns, s, data[s])
+    demote(client, d, [(ns, 0), (ns, 1)])
+    ms = [client.match(ns, toks(s)) for s in range(2)]
+    port = ms[0].servers[0].port
+    before = server_stats(port)
+    sock = rawwire.connect(port)
+    n = 8
+    frames = []
+    for i in range(n):
+        g = next(iter(ms[i % 2].objects.values())).grant
+        half = g.length // 2
+        ranges = [(0, g.offset, half), (0, g.offset + half, g.length - half)]
+        frames.append(wire.pack_frame(wire.ReadStaged([g], ranges, []), i + 1))
+    frames.append(wire.pack_frame(wire.Ping(), n + 1))
+    sock.sendall(b"".join(frames))
+    ids = []
+    for i in range(n):
+        head, body, _ = rawwire.recv_frame(sock)
+        assert head.req_id == i + 1, (head.req_id, i + 1)
+        assert isinstance(body, wire.Staged), body
+        k, v = data[i % 2][0]
+        want = k.tobytes() + v.tobytes()
+        half = len(want) // 2
+        with open(body.path, "rb") as fh:
+            fh.seek(body.offsets[0])
+            got = fh.read(half)
+            fh.seek(body.offsets[1])
+            got += fh.read(len(want) - half)
+        assert got == want, f"reply {i + 1}: staged bytes differ"
+        ids.append(body.stage_id)
+    head, body, _ = rawwire.recv_frame(sock)
+    assert head.req_id == n + 1 and body == wire.Ok(0)
+    held = server_stats(port)
+    assert held["staging_ranges"] == n, held
+    assert held["staged_replies_ahead"] > before["staged_replies_ahead"], held
+    sock.sendall(wire.pack_frame(wire.Unstage(ids), n + 2))
+    assert rawwire.recv_frame(sock)[1] == wire.Ok(n)
+    after = server_stats(port)
+    assert after["staging_ranges"] == 0 and after["staging_used_bytes"] == 0, after
+    sock.close()
+    for m in ms:
+        client.release(m)
+    client.close()
