@@ -51,7 +51,7 @@ from gcache_client.plans import (
 )
 from gcache_client.pool import ConnectionPool
 from gcache_client.router import AsyncRouterClient
-from gcache_client.staged import StagingMaps, read_staged
+from gcache_client.staged import STAGED_INLINE_BLOCKS, StagingMaps, read_staged
 from gcache_client.tiers import best_cut
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 from gcache_client.writer import Writer
@@ -476,7 +476,7 @@ class AsyncGCacheClient:
         its staging file (:mod:`gcache_client.staged`); False: read them over TCP."""
         if self.pool.mapped(addr) is None:
             return False
-        if big:
+        if big and sp.count > STAGED_INLINE_BLOCKS:  # else a thread hop costs more
             await self.pool.offload(sp.materialize)
         conn = await self.pool.server(addr)
         offload = self.pool.offload if big else None

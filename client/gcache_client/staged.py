@@ -25,6 +25,9 @@ from gcache_client.plans import ServerPlan
 
 Offload = Callable[..., Awaitable[Any]]
 RELEASE_DELAY_S = 0.002  # a range not given back with a read by then: UNSTAGE
+# A plan of at most this many blocks is made on the event loop (a few us a block),
+# not on a copy thread: one thread hop fewer per read of a large 1-block object.
+STAGED_INLINE_BLOCKS = 64
 
 
 class StagingMaps:
