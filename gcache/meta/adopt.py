@@ -10,7 +10,7 @@ records get ``last_access`` from their sequence number. No I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 from gcache.meta.records import (
@@ -44,6 +44,19 @@ class Parked:
     layer_bytes: tuple[int, ...] = ()  # per-layer lengths when unequal (else ())
 
 
+@dataclass(slots=True, eq=False)
+class ParkedChunk:
+    """A whole reported chunk waiting for its namespace, kept in its columns (no
+    object per record): its DRAM ranges by offset (in its server's ``parked``, kept
+    allocated), its expiry from ``since``."""
+
+    cols: Columns
+    server: ServerRecord
+    since: float
+    ranges: dict[int, int]  # DRAM offset -> length, of the records still parked
+    allocated: bool = False  # its DRAM ranges are in the allocator (report complete)
+    # DRAM offsets of rows whose range turned out to be another's: never adopted
+    skip: set[int] = field(default_factory=set)
 
 
 def parked_from(cols: Columns) -> list[Parked]:
@@ -69,6 +82,41 @@ def parked_from(cols: Columns) -> list[Parked]:
     return out
 
 
+def _parked_row(
+    own: ParkedChunk | None,
+    srv: ServerRecord,
+    now: float,
+    namespace: bytes,
+    key: bytes,
+    parent: bytes,
+    pos: int,
+    group: int,
+    tier: int,
+    offset: int,
+    length: int,
+    sums: bytes,
+    seq: int,
+) -> Parked:
+    """One record (a row of a chunk, or of ``own``, a parked chunk) as a Parked."""
+    if own is None:
+        return Parked(namespace, key, parent, pos, group, tier, offset, length, sums, seq, srv, now)
+    return Parked(
+        namespace,
+        key,
+        parent,
+        pos,
+        group,
+        tier,
+        offset,
+        length,
+        sums,
+        seq,
+        srv,
+        own.since,
+        own.allocated,
+    )
+
+
 def recency(now: float, seq: int) -> float:
     """``last_access`` of an adopted object: within the second before ``now``, in
     the order of the server's sequence numbers."""
@@ -83,6 +131,11 @@ class Adoption(Tiers):
     parked_parent: dict[bytes, list[Parked]]
     # every parked record in arrival order (id -> record): bound and expiry
     parked_all: dict[int, Parked]
+    # whole chunks waiting for their namespace, in arrival order (id -> chunk), by
+    # namespace (entries no longer in parked_chunks are stale), and their records
+    parked_chunks: dict[int, ParkedChunk]
+    parked_ns_chunks: dict[bytes, list[ParkedChunk]]
+    parked_rows: int
 
     def _adopt_columns(
         self,
@@ -91,16 +144,29 @@ class Adoption(Tiers):
         now: float,
         origin: list[Parked] | None = None,
         credit: dict[str, int] | None = None,
+        owners: list[ParkedChunk] | None = None,
     ) -> tuple[int, int, list[Parked]]:
         """Adopt records (in block order) whose namespace and parent are known, in
         one pass with no per-record helper calls (1M records: see
-        bench/meta_rebuild.py); park those waiting for their namespace, drop the
+        bench/meta_rebuild.py); park those waiting for their namespace (a whole
+        chunk of one unknown namespace as a :class:`ParkedChunk`), drop the
         impossible ones. The records are a chunk of ``srv`` or, with ``origin``,
         parked records (off the books, of live servers) being retried, their
-        adoptions counted per server in ``credit``. Returns (adopted, dropped,
-        records whose parent is missing)."""
+        adoptions counted per server in ``credit``, or, with ``owners``, rows of
+        parked chunks (off the books) and the chunk of each. The adopted objects
+        are admitted into the eviction policies in bulk, per namespace run.
+        Returns (adopted, dropped, records whose parent is missing)."""
         n = len(cols)
         namespaces = self.namespaces
+        if (
+            origin is None
+            and owners is None
+            and srv is not None
+            and n
+            and cols.namespace[0] not in namespaces
+            and self._park_chunk(srv, cols, now)
+        ):
+            return 0, 0, []
         counters = self.counters
         lbs = cols.layer_bytes
         deferred: list[Parked] = []
@@ -117,9 +183,11 @@ class Adoption(Tiers):
         full: int | None = None
         link = self._link_object
         policy, nvme_policy = self.policy, self.nvme_policy
+        dnew: list[ObjectRecord] = []  # admitted in bulk (admit_many) per namespace run
+        nnew: list[ObjectRecord] = []
         cur: ServerRecord | None = None
         held: dict[int, ObjectRecord] | None = None
-        sparked: dict[int, Parked] = {}
+        sparked: dict[int, Parked | ParkedChunk] = {}
         mask = cap = 0
         rows = zip(
             cols.namespace,
@@ -134,10 +202,14 @@ class Adoption(Tiers):
             cols.seq,
             lbs if lbs is not None else repeat((), n),
             origin if origin is not None else repeat(None, n),
+            owners if owners is not None else repeat(None, n),
             strict=True,
         )
-        for nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb, orig in rows:
-            s: ServerRecord = orig.server if orig is not None else srv  # type: ignore[assignment]
+        mk = _parked_row
+        for nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb, orig, own in rows:
+            s: ServerRecord = (
+                orig.server if orig is not None else own.server if own is not None else srv  # type: ignore[assignment]
+            )
             if s is not cur:
                 cur = s
                 held = s.reported
@@ -157,7 +229,7 @@ class Adoption(Tiers):
                     )
                 )
             ):
-                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
+                rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 counters["report_invalid"] += 1
                 self._release_parked(rec)
                 dropped += 1
@@ -165,6 +237,12 @@ class Adoption(Tiers):
             if nsf != fp or ns is None:
                 if ns is not None:
                     self._add_group_bytes(ns, gbytes)
+                    if dnew:
+                        policy.admit_many(dnew, ns)
+                        dnew = []
+                    if nnew:
+                        nvme_policy.admit_many(nnew, ns)
+                        nnew = []
                 fp = nsf
                 ns = namespaces.get(fp)
                 if ns is not None:
@@ -176,7 +254,7 @@ class Adoption(Tiers):
                     gbytes = [0] * groups
                     full = ns.full_group
             if ns is None:
-                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
+                rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 rec.layer_bytes = lb
                 self._park(rec, self.parked_ns.setdefault(fp, []))
                 continue
@@ -186,8 +264,8 @@ class Adoption(Tiers):
                 if pos:
                     parent = entries.get(pkey)
                     if parent is None or parent.pos + 1 != pos:
-                        rec = orig or Parked(
-                            nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now
+                        rec = orig or mk(
+                            own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq
                         )
                         rec.layer_bytes = lb
                         deferred.append(rec)
@@ -204,7 +282,7 @@ class Adoption(Tiers):
                 or len(sums) != nsums[g]
                 or (lb and lb != group_layer_bytes(layout, g))
             ):
-                rec = orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
+                rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 counters["report_invalid"] += 1
                 self._release_parked(rec)
                 self._prune(ns, entry)
@@ -217,7 +295,7 @@ class Adoption(Tiers):
                     continue  # reported again (a re-registration): already adopted
                 counters["report_duplicates"] += 1
                 self._release_parked(
-                    orig or Parked(nsf, key, pkey, pos, g, tier, off, length, sums, seq, s, now)
+                    orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 )
                 continue
             last = base + (seq if seq < 10**9 else 10**9) * 1e-9
@@ -225,18 +303,104 @@ class Adoption(Tiers):
             link(ns, entry, obj)
             nbytes += length
             gbytes[g] += length
-            if tier == 0 and held is not None:
-                held[off] = obj  # (adopted after its report completed: allocated)
-            (nvme_policy if tier else policy).admit(obj, ns)
+            if tier:
+                nnew.append(obj)
+            else:
+                dnew.append(obj)
+                if held is not None:
+                    held[off] = obj  # (adopted after its report completed: allocated)
             adopted += 1
             if credit is not None:
                 credit[s.server_id] = credit.get(s.server_id, 0) + 1
         if ns is not None:
             self._add_group_bytes(ns, gbytes)
+            if dnew:
+                policy.admit_many(dnew, ns)
+            if nnew:
+                nvme_policy.admit_many(nnew, ns)
         self.entries += created
         self.live_objects += adopted  # _count_in, less the tenant (a reported object has none)
         self.live_bytes += nbytes
         return adopted, dropped, deferred
+
+    def _park_chunk(self, srv: ServerRecord, cols: Columns, now: float) -> bool:
+        """Park a chunk of ``srv`` whose records are all of one namespace not
+        registered yet, whole, in its columns; False (nothing done) when one of its
+        records would be dropped at once (then it goes record by record)."""
+        n = len(cols)
+        if (
+            cols.namespace.count(cols.namespace[0]) != n
+            or min(cols.length) <= 0
+            or max(cols.tier) > 1
+        ):
+            return False
+        ranges = {
+            off: ln for off, ln, t in zip(cols.offset, cols.length, cols.tier, strict=True) if not t
+        }
+        if len(ranges) != cols.tier.count(0):
+            return False  # two records at one offset
+        mask = srv.allocator.align - 1
+        cap = srv.allocator.capacity
+        held = srv.reported
+        sparked = srv.parked
+        if any(off & mask or off + ln > cap for off, ln in ranges.items()):
+            return False
+        if not ranges.keys().isdisjoint(sparked) or (
+            held is not None and not ranges.keys().isdisjoint(held)
+        ):
+            return False
+        chunk = ParkedChunk(cols, srv, now, ranges)
+        sparked.update(dict.fromkeys(ranges, chunk))
+        self.parked_chunks[id(chunk)] = chunk
+        self.parked_ns_chunks.setdefault(cols.namespace[0], []).append(chunk)
+        self.parked_rows += n
+        self.counters["objects_parked"] += n
+        self._bound_parked()
+        return True
+
+    def _unpark_chunk(self, chunk: ParkedChunk) -> bool:
+        """Take ``chunk`` off the parked books (False: it was not on them)."""
+        if self.parked_chunks.pop(id(chunk), None) is None:
+            return False
+        self.parked_rows -= len(chunk.cols)
+        sparked = chunk.server.parked
+        for off in chunk.ranges:
+            if sparked.get(off) is chunk:
+                del sparked[off]
+        return True
+
+    def _release_chunk(self, chunk: ParkedChunk) -> None:
+        """A parked chunk that will not be adopted (off the books): its server drops
+        its records (:meth:`_release_parked` for each)."""
+        srv = chunk.server
+        if not srv.alive:
+            return
+        cols = chunk.cols
+        srv.drop_out += [
+            (off, ln) for t, off, ln in zip(cols.tier, cols.offset, cols.length, strict=True) if t
+        ]
+        if chunk.allocated:
+            chunk.allocated = False
+            for off, ln in chunk.ranges.items():
+                self._free_range(srv, off, ln)
+        elif srv.reported is not None:
+            srv.freed += chunk.ranges.items()
+
+    def _bound_parked(self) -> None:
+        """At most ``max_parked_objects`` parked: the oldest go (a parked chunk
+        whole, before single records)."""
+        limit = self.cfg.max_parked_objects
+        while len(self.parked_all) + self.parked_rows > limit:
+            if self.parked_chunks:
+                chunk = next(iter(self.parked_chunks.values()))
+                self._unpark_chunk(chunk)
+                self._release_chunk(chunk)
+                self.counters["parked_dropped"] += len(chunk.cols)
+                continue
+            old = self.parked_all.pop(next(iter(self.parked_all)))
+            self._unpark(old)
+            self._release_parked(old)
+            self.counters["parked_dropped"] += 1
 
     def _add_group_bytes(self, ns: NamespaceRecord, gbytes: list[int]) -> None:
         names = ns.layout.group_names
@@ -293,11 +457,8 @@ class Adoption(Tiers):
         if rec.tier == 0:
             srv.parked[rec.offset] = rec
         self.counters["objects_parked"] += 1
-        while len(self.parked_all) > self.cfg.max_parked_objects:
-            old = self.parked_all.pop(next(iter(self.parked_all)))
-            self._unpark(old)
-            self._release_parked(old)
-            self.counters["parked_dropped"] += 1
+        if len(self.parked_all) + self.parked_rows > self.cfg.max_parked_objects:
+            self._bound_parked()
 
     def _unpark(self, rec: Parked) -> None:
         """Take ``rec`` off the parked books (not its lists: they are consumed whole,

@@ -388,7 +388,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             }
             if not request.model:
                 raise LayoutError("model is required")
-            if self.core.parked_all:
+            if self.core.parked_all or self.core.parked_chunks:
                 with self.gc_pause():  # it may adopt what was reported for it
                     ns = self.core.register_namespace(descriptor, spec)
             else:

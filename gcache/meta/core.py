@@ -126,6 +126,9 @@ class MetaCore(Rebuild):
         self.parked_ns = {}
         self.parked_parent = {}
         self.parked_all = {}
+        self.parked_chunks = {}  # issue 10 (G1): chunks parked whole, see meta/adopt.py
+        self.parked_ns_chunks = {}
+        self.parked_rows = 0
         self.namespaces = {}
         self._ns_by_id: dict[int, NamespaceRecord] = {}
         self.servers = {}
@@ -318,7 +321,7 @@ class MetaCore(Rebuild):
             used=sum(s.allocator.used for s in self.servers.values()),
         )
         out.update(self.tier_stats())
-        out["parked_objects"] = len(self.parked_all)
+        out["parked_objects"] = len(self.parked_all) + self.parked_rows
         out.update(self.removals.stats())
         for name, val in self.group_bytes.items():
             out[f"bytes_stored_{name}"] = val

@@ -57,6 +57,10 @@ class EvictionPolicy(Protocol):
     def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         """A newly committed object (called once every object of the put is linked)."""
 
+    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
+        """:meth:`admit` for objects of ``ns`` adopted together (a rebuild's chunk),
+        once all of them are linked."""
+
     def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
         """An object returned by a lookup; ``obj.last_access`` is already updated and
         ``age`` is the time since the previous access."""
@@ -100,8 +104,26 @@ class LRUPolicy:
         self._base = 0  # heap size after the last rebuild
         self._seq = itertools.count()
         self.pushes = 0
+        # Items admitted in bulk (admit_many) not in the heap yet: merged, with one
+        # heapify when many, before the heap is next read or pushed to.
+        self._pending: list[HeapItem] = []
+
+    def _merge(self) -> None:
+        pending, heap = self._pending, self._heap
+        if len(pending) * 16 < len(heap):
+            for item in pending:
+                heapq.heappush(heap, item)
+        else:
+            heap.extend(pending)
+            heapq.heapify(heap)
+        pending.clear()
+        if len(heap) > 4096 and len(heap) > 4 * self._base:
+            self._compact(heap)
+            self._base = len(heap)
 
     def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        if self._pending:
+            self._merge()
         heap = self._heap
         heapq.heappush(heap, (obj.last_access, next(self._seq), obj, ns))
         self.pushes += 1
@@ -123,6 +145,18 @@ class LRUPolicy:
         if obj.group != ns.full_group or kids(obj) == 0:
             self._push(obj, ns)
 
+    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
+        # As admit, without a heap push per object: one heapify when merged.
+        fg = ns.full_group
+        seq = self._seq
+        items = [
+            (o.last_access, next(seq), o, ns)
+            for o in objs
+            if o.group != fg or not (o.entry.hot if o.tier == 0 else o.entry.children)
+        ]
+        self._pending += items
+        self.pushes += len(items)
+
     def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
         if evictable(obj, ns):
             self._push(obj, ns)
@@ -143,6 +177,8 @@ class LRUPolicy:
     def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
         """Store-wide order (``server`` is where room is needed; the caller stops
         once it has it)."""
+        if self._pending:
+            self._merge()
         heap = self._heap
         pop = heapq.heappop
         while heap:
@@ -160,7 +196,7 @@ class LRUPolicy:
         pass  # its objects are GONE: their items are skipped as stale
 
     def stats(self) -> dict[str, int]:
-        return {"heap_items": len(self._heap), "pushes": self.pushes}
+        return {"heap_items": len(self._heap) + len(self._pending), "pushes": self.pushes}
 
 
 # ---- the cost policy -------------------------------------------------------------------
@@ -358,6 +394,10 @@ class CostPolicy:
             self._push(obj, ns)
         if obj.entry.children == 0:  # a window at a leaf anchors its full object
             self._rescore_full(obj.entry, ns, nc)
+
+    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
+        for obj in objs:
+            self.admit(obj, ns)
 
     def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
         if obj.last_access > self._now:

@@ -30,10 +30,11 @@ two servers) keep the first reported; the other is freed. No I/O.
 
 from __future__ import annotations
 
-from operator import attrgetter
+from operator import attrgetter, itemgetter
+from typing import Any
 
 from gcache.keys import KEY_SIZE
-from gcache.meta.adopt import Adoption, Parked, parked_from
+from gcache.meta.adopt import Adoption, Parked, ParkedChunk, parked_from
 from gcache.meta.records import (
     GONE,
     LIVE,
@@ -279,16 +280,19 @@ class Rebuild(Adoption):
         reported = srv.reported
         assert reported is not None
         ranges = [(off, o.length) for off, o in reported.items()]
-        ranges += [(off, p.length) for off, p in srv.parked.items()]
+        ranges += [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
+        for chunk in self.parked_chunks.values():
+            if chunk.server is srv:
+                ranges += chunk.ranges.items()
         ranges.sort()
         mask = srv.allocator.align - 1
         used: list[tuple[int, int]] = []
         cursor = 0
-        overlapping: list[ObjectRecord | Parked] = []
+        overlapping: list[tuple[int, ObjectRecord | Parked | ParkedChunk]] = []
         for off, length in ranges:
             if off < cursor:
                 mine = reported.get(off)
-                overlapping.append(mine if mine is not None else srv.parked[off])
+                overlapping.append((off, mine if mine is not None else srv.parked[off]))
                 continue
             used.append((off, length))
             cursor = off + ((length + mask) & ~mask)
@@ -299,11 +303,15 @@ class Rebuild(Adoption):
         srv.reported = None
         self._live = None
         self.counters["reports_completed"] += 1
-        for what in overlapping:
+        for off, what in overlapping:
             self.counters["report_invalid"] += 1
             # Its range is another's: forget it without freeing anything (the
             # server's record at that offset belongs to the first one).
-            if isinstance(what, Parked):
+            if isinstance(what, ParkedChunk):
+                del what.ranges[off]
+                del srv.parked[off]
+                what.skip.add(off)
+            elif isinstance(what, Parked):
                 what.allocated = False
                 self._unpark(what)
             elif what.state == LIVE:
@@ -314,22 +322,82 @@ class Rebuild(Adoption):
                 self._prune(ns, entry)
 
     def adopt_parked_namespace(self, ns: NamespaceRecord, now: float) -> int:
-        """``ns`` was registered: adopt what was reported for it."""
+        """``ns`` was registered: adopt what was reported for it (its parked chunks
+        merged in block order, in one pass)."""
+        n = self._adopt_chunks(ns, self.parked_ns_chunks.pop(ns.fingerprint, None), now)
         waiting = self.parked_ns.pop(ns.fingerprint, None)
         if not waiting:
-            return 0
+            self.counters["objects_adopted"] += n
+            if n and self.parked_parent.get(ns.fingerprint):
+                n += self._retry_parents(now)
+            return n
         waiting.sort(key=_POS)
         parked = self.parked_all
-        n = self._adopt_parked(ns, [r for r in waiting if id(r) in parked], now, None)
+        n += self._adopt_parked(ns, [r for r in waiting if id(r) in parked], now, None)
         self.counters["objects_adopted"] += n
         if self.parked_parent.get(ns.fingerprint):
             n += self._retry_parents(now)
         return n
 
+    def _adopt_chunks(
+        self, ns: NamespaceRecord, chunks: list[ParkedChunk] | None, now: float
+    ) -> int:
+        """Take the parked chunks of ``ns`` off the books and adopt their rows,
+        merged in block order, in one pass; rows still missing their parent are
+        parked one by one."""
+        live = [c for c in chunks or () if self._unpark_chunk(c) and c.server.alive]
+        if not live:
+            return 0
+        names: tuple[str, ...] = ("namespace", "key", "parent", "pos", "group", "tier")
+        names += ("offset", "length", "sums", "seq")
+        if len(live) == 1 and not live[0].skip:
+            cols = live[0].cols
+            owners = [live[0]] * len(cols)
+        else:
+            merged: dict[str, list[Any]] = {name: [] for name in names}
+            lbs: list[tuple[int, ...]] = []
+            owners = []
+            for c in live:
+                keep = None
+                if c.skip:  # rows whose range turned out to be another's
+                    keep = [
+                        i
+                        for i, (t, off) in enumerate(zip(c.cols.tier, c.cols.offset, strict=True))
+                        if t or off not in c.skip
+                    ]
+                for name in names:
+                    col = getattr(c.cols, name)
+                    merged[name] += col if keep is None else [col[i] for i in keep]
+                rows = len(c.cols) if keep is None else len(keep)
+                clb = c.cols.layer_bytes
+                if clb is None:
+                    lbs += [()] * rows
+                else:
+                    lbs += clb if keep is None else [clb[i] for i in keep]
+                owners += [c] * rows
+            pos = merged["pos"]
+            order = sorted(range(len(pos)), key=pos.__getitem__)
+            if len(order) > 1:
+                pick = itemgetter(*order)
+                for name in names:
+                    merged[name] = list(pick(merged[name]))
+                lbs = list(pick(lbs))
+                owners = list(pick(owners))
+            cols = Columns(**merged, layer_bytes=lbs if any(lbs) else None)
+        got, _, deferred = self._adopt_columns(None, cols, now, owners=owners)
+        if deferred:
+            where = self.parked_parent.setdefault(ns.fingerprint, [])
+            for rec in deferred:
+                self._park(rec, where)
+        return got
+
     def parked_of(self, server_id: str) -> int:
         """Records of ``server_id`` still parked (waiting for a namespace or parent)."""
         srv = self.servers.get(server_id)
-        return sum(1 for r in self.parked_all.values() if r.server is srv) if srv else 0
+        if srv is None:
+            return 0
+        rows = sum(len(c.cols) for c in self.parked_chunks.values() if c.server is srv)
+        return rows + sum(1 for r in self.parked_all.values() if r.server is srv)
 
     def expire_parked(self, now: float) -> None:
         """Free parked records older than ``parked_ttl_s``; park the records that
@@ -340,6 +408,16 @@ class Rebuild(Adoption):
                     del self._deferred[sid]
                     self._retry_deferred(due, now, park=True)
         cutoff = now - self.cfg.parked_ttl_s
+        chunks = self.parked_chunks
+        while chunks:
+            chunk = next(iter(chunks.values()))
+            if chunk.since > cutoff:
+                break
+            self._unpark_chunk(chunk)
+            self._release_chunk(chunk)
+            self.counters["parked_expired"] += len(chunk.cols)
+        if not chunks:
+            self.parked_ns_chunks.clear()
         parked = self.parked_all
         while parked:
             rec = next(iter(parked.values()))

@@ -16,7 +16,7 @@ from gcache.layout import Layout
 from gcache.storage.allocator import SegmentAllocator
 
 if TYPE_CHECKING:
-    from gcache.meta.rebuild import Parked
+    from gcache.meta.adopt import Parked, ParkedChunk
     from gcache.meta.session import Session
 
 LIVE: Final = 0  # in the index, readable
@@ -262,7 +262,7 @@ class ServerRecord:
         self.reported: dict[int, ObjectRecord] | None = None
         # Reported objects waiting for their namespace or parent (rebuild.Parked),
         # DRAM ones by offset: their ranges stay allocated.
-        self.parked: dict[int, Parked] = {}
+        self.parked: dict[int, Parked | ParkedChunk] = {}
         # The epoch this server's grants carry: the meta's (MetaCore.register_server).
         self.grant_epoch = 0
         # Outboxes of the next heartbeat reply (bounded, see tiers.py):

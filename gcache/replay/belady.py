@@ -84,6 +84,10 @@ class BeladyPolicy:
         if evictable(obj, ns):
             self._push(obj, ns)
 
+    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
+        for obj in objs:
+            self.admit(obj, ns)
+
     def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
         if evictable(obj, ns):
             self._push(obj, ns)
