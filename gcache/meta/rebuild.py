@@ -328,7 +328,7 @@ class Rebuild(Adoption):
         waiting = self.parked_ns.pop(ns.fingerprint, None)
         if not waiting:
             self.counters["objects_adopted"] += n
-            if n and self.parked_parent.get(ns.fingerprint):
+            if self.parked_parent.get(ns.fingerprint):
                 n += self._retry_parents(now)
             return n
         waiting.sort(key=_POS)
