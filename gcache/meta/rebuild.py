@@ -38,6 +38,7 @@ from gcache.meta.adopt import Adoption, Parked, ParkedChunk, parked_from
 from gcache.meta.records import (
     GONE,
     LIVE,
+    BlockEntry,
     NamespaceRecord,
     ObjectRecord,
     ServerRecord,
@@ -183,31 +184,48 @@ class Rebuild(Adoption):
 
     def _retry_deferred(self, recs: list[Parked], now: float, park: bool) -> list[Parked]:
         """Records of one chunk (block order) that missed their parent: adopt those
-        whose parent came since; park the others (``park``) or return them."""
+        whose parent came since (or comes among them) in one pass; park the others
+        (``park``) or return them."""
         credit = self._credit if self._credit is not None else {}
-        n = 0
-        left: list[Parked] = []
+        ready: list[Parked] = []
+        rest: list[Parked] = []
+        coming: set[bytes] = set()
         fp = b""
         ns: NamespaceRecord | None = None
+        entries: dict[bytes, BlockEntry] = {}
         for rec in recs:
             srv = rec.server
             if rec.namespace != fp:
                 fp = rec.namespace
                 ns = self.namespaces.get(fp)
+                entries = ns.entries if ns is not None else {}
             if srv is None or not srv.alive or ns is None:
                 continue
-            if not park:
-                parent = ns.entries.get(rec.parent)
-                if parent is None or parent.pos + 1 != rec.pos:
-                    left.append(rec)
-                    continue
-            got = self._adopt_known(ns, rec, now)[0]
-            if got:
-                n += got
-                credit[srv.server_id] = credit.get(srv.server_id, 0) + got
+            parent = entries.get(rec.parent)
+            if (parent is not None and parent.pos + 1 == rec.pos) or rec.parent in coming:
+                ready.append(rec)
+                coming.add(rec.key)
+            else:
+                rest.append(rec)
+        n = 0
+        if ready:
+            n, _, missed = self._adopt_columns(None, columns_of(ready), now, ready, credit)
+            if missed:
+                rest += missed
+                rest.sort(key=_POS)
         self._credit = credit
         self.counters["objects_adopted"] += n
-        return left
+        if not park:
+            return rest
+        for rec in rest:
+            srv = rec.server
+            assert srv is not None
+            if self._clash(srv, rec):
+                self.counters["report_invalid"] += 1
+                self._release_parked(rec)
+            else:
+                self._park(rec, self.parked_parent.setdefault(rec.namespace, []))
+        return []
 
     def deferred_of(self, server_id: str) -> int:
         """Records of ``server_id``'s last chunk still waiting for a parent."""
