@@ -345,8 +345,9 @@ class Adoption(Tiers):
         sparked = srv.parked
         if any(off & mask or off + ln > cap for off, ln in ranges.items()):
             return False
-        if not ranges.keys().isdisjoint(sparked) or (
-            held is not None and not ranges.keys().isdisjoint(held)
+        # (views on both sides: isdisjoint walks the smaller one, not the books)
+        if not ranges.keys().isdisjoint(sparked.keys()) or (
+            held is not None and not ranges.keys().isdisjoint(held.keys())
         ):
             return False
         chunk = ParkedChunk(cols, srv, now, ranges)
