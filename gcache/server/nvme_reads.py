@@ -29,7 +29,7 @@ import concurrent.futures
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 from gcache import wire
 from gcache.errors import E_BAD_REQUEST, E_BUSY, E_INTERNAL, ConnectionLost
@@ -89,7 +89,47 @@ class _Job:
         self.finished = False
 
 
-class NvmeReplies:
+class _InOrder:
+    """What both reply queues share: a queue of replies sent in request order by
+    one sender task, a change event the reader waits on, and the sender's error."""
+
+    _queue: deque[Any]
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None  # why the sender stopped
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue)
+
+    async def drain(self) -> None:
+        """Wait until every queued reply went out (another reply may go next)."""
+        while self._queue:
+            self._raise_if_failed()
+            await self._wait_change()
+        self._raise_if_failed()
+
+    async def _stop_sender(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # cancelled, or its own failure (kept in .error)
+                pass
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise ConnectionLost(f"reply failed: {self.error}")
+
+    async def _wait_change(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
+
+
+class NvmeReplies(_InOrder):
     """The tier-1 READ replies of one connection, started ahead and sent in order
     (see the module docstring). Runs on the event loop; the disk reads run on
     ``executor``."""
@@ -115,15 +155,9 @@ class NvmeReplies:
         self.on_error = on_error
         self.on_idle = on_idle
         self.piece, self.depth, self.ahead = piece, depth, ahead
-        self.error: BaseException | None = None  # why the sender stopped
+        super().__init__()
         self._queue: deque[_Job] = deque()
-        self._changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._queue)
 
     # ---- the reader's side -------------------------------------------------------
 
@@ -156,34 +190,13 @@ class NvmeReplies:
             self._task = asyncio.create_task(self._send_loop())
         self._changed.set()
 
-    async def drain(self) -> None:
-        """Wait until every queued reply went out (another reply may go next)."""
-        while self._queue:
-            self._raise_if_failed()
-            await self._wait_change()
-        self._raise_if_failed()
-
     async def close(self) -> BaseException | None:
         """Stop sending and release every queued reply (waits for pieces already on
         a disk thread). Returns why the sender stopped, if it failed."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except BaseException:  # cancelled, or its own failure (kept in .error)
-                pass
+        await self._stop_sender()
         while self._queue:
             await self._finish(self._queue.popleft())
         return self.error
-
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise ConnectionLost(f"reply failed: {self.error}")
-
-    async def _wait_change(self) -> None:
-        self._changed.clear()
-        await self._changed.wait()
 
     # ---- disk pieces ---------------------------------------------------------------
 
@@ -307,7 +320,7 @@ class NvmeReplies:
             await self.stream.send_msg(wire.ReadData(total), job.req_id, batch, total)
 
 
-class StagedReplies:
+class StagedReplies(_InOrder):
     """The ``READ_STAGED`` replies of one connection: up to ``ahead`` are read into
     the staging file at once (the connection's reader goes on to the next request
     while earlier ones are on the disk threads), and a sender task sends their
@@ -330,14 +343,8 @@ class StagedReplies:
         self.counters = counters  # shared by the server's connections (stats())
         self.on_idle = on_idle
         self.ahead = ahead
-        self.error: BaseException | None = None  # why the sender stopped
+        super().__init__()
         self._queue: deque[tuple[asyncio.Future[wire.Msg], int]] = deque()
-        self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._queue)
 
     async def room(self) -> None:
         """Wait (backpressure) while ``ahead`` replies are queued; raises when the
@@ -364,23 +371,10 @@ class StagedReplies:
             self._task = asyncio.create_task(self._send_loop())
         self._changed.set()
 
-    async def drain(self) -> None:
-        """Wait until every queued reply went out (another reply may go next)."""
-        while self._queue:
-            self._raise_if_failed()
-            await self._wait_change()
-        self._raise_if_failed()
-
     async def close(self) -> BaseException | None:
         """Stop sending; wait for the reads still on the disk threads (their
         replies are dropped). Returns why the sender stopped, if it failed."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except BaseException:  # cancelled, or its own failure (kept in .error)
-                pass
+        await self._stop_sender()
         while self._queue:
             fut, _ = self._queue.popleft()
             try:
@@ -388,14 +382,6 @@ class StagedReplies:
             except Exception:
                 pass
         return self.error
-
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise ConnectionLost(f"reply failed: {self.error}")
-
-    async def _wait_change(self) -> None:
-        self._changed.clear()
-        await self._changed.wait()
 
     async def _send_loop(self) -> None:
         try:
