@@ -48,6 +48,26 @@ REPORT_CHUNK: Final = 2048
 MAX_PENDING_REPORTS: Final = 1 << 16  # demotion results / lost objects not yet sent
 
 
+def split_batch(cmds: list[StoredRecord], segment: int) -> list[list[StoredRecord]]:
+    """A reply's demotions as the worker jobs they are written in (each synced and
+    reported on its own): when they hold more than half of the ``segment``-byte DRAM
+    segment, two halves by bytes, in order; else one job. One job per reply left the
+    disk idle for a heartbeat interval whenever a reply held most of DRAM (16 MiB
+    objects in a 128 MiB segment): its one report freed all the room at the end, the
+    puts waiting took it, and their demotions waited for the next tick. Smaller
+    replies stay whole (fewer syncs and reports: 1 MiB objects lost by halving)."""
+    total = sum(c.length for c in cmds)
+    if len(cmds) < 2 or 2 * total <= segment:
+        return [cmds]
+    acc, cut = 0, len(cmds) - 1
+    for i, c in enumerate(cmds[:-1]):
+        acc += c.length
+        if 2 * acc >= total:
+            cut = i + 1
+            break
+    return [cmds[:cut], cmds[cut:]]
+
+
 def _record(o: pb.StoredObject) -> StoredRecord:
     return StoredRecord(
         namespace=o.namespace,
@@ -114,6 +134,7 @@ class TierState:
         # the control loop heartbeats at once instead of at its next tick (A).
         self.on_report: Callable[[], None] | None = None
         self.early_reports = 0  # batches that asked for an early heartbeat
+        self.demote_jobs = 0  # worker jobs the replies' demotions were written in
 
     # ---- start -------------------------------------------------------------------
 
@@ -295,8 +316,14 @@ class TierState:
         cmds = [_record(c.object) for c in reply.demote]
         if drops or cmds:
             self._loop = asyncio.get_running_loop()
-            fut = self._writer.submit(self._tier_work, drops, cmds)
-            fut.add_done_callback(self._finished)
+            # A reply holding most of DRAM in two jobs (H2): the first half's report
+            # frees its room, and the puts that take it are demoted, while the
+            # second half is on the disk.
+            jobs = split_batch(cmds, self.segment.capacity)
+            for i, part in enumerate(jobs):
+                fut = self._writer.submit(self._tier_work, drops if i == 0 else [], part)
+                fut.add_done_callback(self._finished)
+            self.demote_jobs += len(jobs)
 
     def _finished(self, fut: concurrent.futures.Future[list[pb.Demoted]]) -> None:
         loop = self._loop
@@ -450,6 +477,7 @@ class TierState:
             "epoch": self.epoch,
             "demotions": self.demotions,
             "demote_failures": self.demote_failures,
+            "demote_jobs": self.demote_jobs,
             "early_reports": self.early_reports,
             "promotions": self.promotions,
             "promote_failures": self.promote_failures,
