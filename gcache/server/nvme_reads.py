@@ -212,6 +212,11 @@ class NvmeReplies(_InOrder):
 
     def _landed(self, job: _Job) -> Callable[[concurrent.futures.Future[None]], None]:
         def cb(_fut: concurrent.futures.Future[None]) -> None:  # on a disk thread
+            if job.next >= len(job.pieces):
+                # every piece is on a disk thread already: nothing for _fill to do,
+                # so no wake-up of the loop (the sender waits on the future itself).
+                # ``next`` only grows on the loop: a stale read wakes it needlessly.
+                return
             try:
                 self._loop.call_soon_threadsafe(self._done, job)
             except RuntimeError:  # the loop is closed: the server is stopping
@@ -235,14 +240,18 @@ class NvmeReplies(_InOrder):
                 await asyncio.wrap_future(job.futures[max(0, idx - self.depth)])
             except OSError:
                 pass  # that piece's own wait reports it
-        await asyncio.wrap_future(job.futures[idx])
+        fut = job.futures[idx]
+        if fut.done():  # landed: no asyncio future chained to it (a loop wake-up)
+            fut.result()
+            return
+        await asyncio.wrap_future(fut)
 
     async def _finish(self, job: _Job) -> None:
         """Release a job's buffer and budget once no disk thread writes into it.
         Idempotent (a cancelled call is completed by :meth:`close`)."""
         job.closed = True
         for fut in job.futures:
-            if not fut.cancel():
+            if not fut.cancel() and not fut.done():  # on a disk thread: wait for it
                 try:
                     await asyncio.wrap_future(fut)
                 except Exception:
