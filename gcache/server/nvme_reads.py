@@ -241,7 +241,7 @@ class NvmeReplies(_InOrder):
             except OSError:
                 pass  # that piece's own wait reports it
         fut = job.futures[idx]
-        if fut.done():  # landed: no asyncio future chained to it (a loop wake-up)
+        if fut.done() and not fut.cancelled():  # landed: no asyncio future chained (a wake-up)
             fut.result()
             return
         await asyncio.wrap_future(fut)
