@@ -350,6 +350,45 @@ static int get_bufs(PyObject *seq, int writable, bufs_t *out, const char *what) 
     return 0;
 }
 
+/* A job over pieces p[0..n): as many threads as its size pays for (at most
+   `threads`, or the set_threads() default), each with its own 64-byte aligned hash
+   state. NULL with MemoryError set when out of memory; free with free_job(). */
+static job_t *new_job(piece_t *p, Py_ssize_t n, Py_ssize_t group, Py_ssize_t total, int algo,
+                      int hash_src, int threads, unsigned char *out) {
+    int nt = threads > 0 ? threads : g_threads;
+    if (nt > MAX_THREADS) nt = MAX_THREADS;
+    Py_ssize_t by_size = total / MIN_PER_THREAD;
+    if (by_size < nt) nt = by_size < 1 ? 1 : (int)by_size;
+    job_t *j = NULL;
+    hstate_t *states = NULL;
+    if (posix_memalign((void **)&j, 64, sizeof(job_t)) != 0 ||
+        posix_memalign((void **)&states, 64, (size_t)nt * sizeof(hstate_t)) != 0) {
+        free(j);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memset(j, 0, sizeof(*j));
+    j->p = p;
+    j->n = n;
+    j->group = group;
+    j->total = total;
+    j->algo = algo;
+    j->hash_src = hash_src;
+    j->nthreads = nt;
+    j->out = out;
+    for (int t = 0; t < nt; t++) {
+        j->w[t].job = j;
+        j->w[t].t = t;
+        j->w[t].h = &states[t];
+    }
+    return j;
+}
+
+static void free_job(job_t *j) {
+    free(j->w[0].h); /* the states, allocated as one array */
+    free(j);
+}
+
 static PyObject *do_job(bufs_t *dst, bufs_t *src, Py_ssize_t group, int hash_src, int algo,
                         int threads) {
     Py_ssize_t n = src->n;
@@ -394,38 +433,17 @@ static PyObject *do_job(bufs_t *dst, bufs_t *src, Py_ssize_t group, int hash_src
         PyMem_Free(p);
         return NULL;
     }
-    int nt = threads > 0 ? threads : g_threads;
-    if (nt > MAX_THREADS) nt = MAX_THREADS;
-    Py_ssize_t by_size = total / MIN_PER_THREAD;
-    if (by_size < nt) nt = by_size < 1 ? 1 : (int)by_size;
-    job_t *j = NULL;
-    hstate_t *states = NULL;
-    if (posix_memalign((void **)&j, 64, sizeof(job_t)) != 0 ||
-        posix_memalign((void **)&states, 64, (size_t)nt * sizeof(hstate_t)) != 0) {
-        free(j);
+    job_t *j = new_job(p, n, group, total, algo, hash_src, threads,
+                       (unsigned char *)PyBytes_AS_STRING(res));
+    if (!j) {
         PyMem_Free(p);
         Py_DECREF(res);
-        return PyErr_NoMemory();
-    }
-    memset(j, 0, sizeof(*j));
-    j->p = p;
-    j->n = n;
-    j->group = group;
-    j->total = total;
-    j->algo = algo;
-    j->hash_src = hash_src;
-    j->nthreads = nt;
-    j->out = (unsigned char *)PyBytes_AS_STRING(res);
-    for (int t = 0; t < nt; t++) {
-        j->w[t].job = j;
-        j->w[t].t = t;
-        j->w[t].h = &states[t];
+        return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     run_job(j);
     Py_END_ALLOW_THREADS
-    free(states);
-    free(j);
+    free_job(j);
     PyMem_Free(p);
     return res;
 }
@@ -529,32 +547,11 @@ static PyObject *py_read_layer(PyObject *self, PyObject *args, PyObject *kw) {
         PyErr_NoMemory();
         goto done;
     }
-    int nt = threads > 0 ? threads : g_threads;
-    if (nt > MAX_THREADS) nt = MAX_THREADS;
-    Py_ssize_t by_size = total / MIN_PER_THREAD;
-    if (by_size < nt) nt = by_size < 1 ? 1 : (int)by_size;
-    job_t *j = NULL;
-    hstate_t *states = NULL;
-    if (posix_memalign((void **)&j, 64, sizeof(job_t)) != 0 ||
-        posix_memalign((void **)&states, 64, (size_t)nt * sizeof(hstate_t)) != 0) {
-        free(j);
+    /* hash what landed in the caller's buffers (hash_src 0) */
+    job_t *j = new_job(p, 2 * n, 2, total, ALGO_XXH3, 0, threads, got);
+    if (!j) {
         PyMem_Free(got);
-        PyErr_NoMemory();
         goto done;
-    }
-    memset(j, 0, sizeof(*j));
-    j->p = p;
-    j->n = 2 * n;
-    j->group = 2;
-    j->total = total;
-    j->algo = ALGO_XXH3;
-    j->hash_src = 0; /* hash what landed in the caller's buffers */
-    j->nthreads = nt;
-    j->out = got;
-    for (int t = 0; t < nt; t++) {
-        j->w[t].job = j;
-        j->w[t].t = t;
-        j->w[t].h = &states[t];
     }
     Py_ssize_t bad = -1;
     const unsigned char *want = (const unsigned char *)sums.buf;
@@ -567,8 +564,7 @@ static PyObject *py_read_layer(PyObject *self, PyObject *args, PyObject *kw) {
         }
     }
     Py_END_ALLOW_THREADS
-    free(states);
-    free(j);
+    free_job(j);
     PyMem_Free(got);
     res = PyLong_FromSsize_t(bad);
 done:
