@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gcache import _native as native
 from gcache.errors import GCacheError, LayoutError
 from gcache_client.plans import GroupServer
+from gcache_client.pool import run_whole
 from gcache_client.types import KVPair, LayerKV, Match
 
 if TYPE_CHECKING:
@@ -61,16 +62,7 @@ class LayerReads:
         """Run ``fn`` on the ordered copy thread. Cancellation waits for ``fn`` to
         finish: it may be writing into the caller's buffers, which must be left
         alone once we return."""
-        fut = asyncio.get_running_loop().run_in_executor(_ordered_copier(), fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            while not fut.done():
-                try:
-                    await asyncio.wait([fut])
-                except asyncio.CancelledError:
-                    continue
-            raise
+        return await run_whole(_ordered_copier(), fn, *args)
 
 
 _COPIER: ThreadPoolExecutor | None = None

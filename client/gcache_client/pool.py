@@ -35,6 +35,24 @@ from gcache_client.conn import PipelinedConn
 log = logging.getLogger("gcache.client")
 
 T = TypeVar("T")
+
+
+async def run_whole(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` on ``executor``. Cancellation waits for ``fn`` to finish before
+    it propagates: ``fn`` may be writing into the caller's buffers, which must be
+    left alone once we return."""
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                continue
+        raise
+
+
 COPY_THREADS: Final = 2
 # Mapped segments whose file vanished are looked for at most this often.
 SWEEP_S: Final = 1.0
@@ -191,16 +209,7 @@ class ConnectionPool:
         caller's buffers, which must be left alone once we return."""
         if self._copier is None:
             self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="gcache-copy")
-        fut = asyncio.get_running_loop().run_in_executor(self._copier, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            while not fut.done():
-                try:
-                    await asyncio.wait([fut])
-                except asyncio.CancelledError:
-                    continue
-            raise
+        return await run_whole(self._copier, fn, *args)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
