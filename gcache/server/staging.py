@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from gcache.errors import GCacheError
 from gcache.storage.allocator import SegmentAllocator
+from gcache.storage.segment import dead_files
 
 ALIGN = 4096
 
@@ -159,34 +160,14 @@ def staging_path(segment_path: str) -> str:
 def remove_dead_staging_files(shm_dir: str, segment_path: str) -> list[str]:
     """Staging files a killed predecessor of this server left in ``shm_dir`` (same
     name as this server's segment but for the process id, which is gone)."""
-    base = os.path.basename(segment_path)
-    stem, sep, _pid = base.rpartition("-")
+    stem, sep, _pid = os.path.basename(segment_path).rpartition("-")
     removed: list[str] = []
     if not sep:
         return removed
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        if not (name.startswith(stem + "-") and name.endswith(".stage")):
-            continue
-        pid = name[len(stem) + 1 :].split(".", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
-            continue
+    for path in dead_files(shm_dir, stem + "-", ".stage"):
         try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
+            os.unlink(path)
+            removed.append(os.path.basename(path))
         except OSError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -79,6 +79,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def dead_files(shm_dir: str, prefix: str, suffix: str) -> list[str]:
+    """Paths of the files ``<prefix><pid><suffix>`` in ``shm_dir`` whose process
+    is gone (a server's segments, its staging files), newest first."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    out: list[tuple[float, str]] = []
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(suffix)):
+            continue
+        pid = name[len(prefix) : len(name) - len(suffix)]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            out.append((os.stat(path).st_mtime, path))
+        except OSError:
+            continue
+    return [p for _, p in sorted(out, reverse=True)]
+
+
 def manifest_path(segment_path: str) -> str:
     """The manifest next to a segment file (``...-PID.seg`` -> ``...-PID.manifest``)."""
     return segment_path[: -len(".seg")] + ".manifest"
@@ -147,24 +169,7 @@ class Segment:
     @staticmethod
     def _dead_files(shm_dir: str, server_id: str) -> list[str]:
         """Segment files of this server id whose process is gone, newest first."""
-        prefix = f"gcache-{_safe(server_id)}-"
-        try:
-            names = os.listdir(shm_dir)
-        except OSError:
-            return []
-        out: list[tuple[float, str]] = []
-        for name in names:
-            if not (name.startswith(prefix) and name.endswith(".seg")):
-                continue
-            pid = name[len(prefix) : -len(".seg")]
-            if not pid.isdigit() or _pid_alive(int(pid)):
-                continue
-            path = os.path.join(shm_dir, name)
-            try:
-                out.append((os.stat(path).st_mtime, path))
-            except OSError:
-                continue
-        return [p for _, p in sorted(out, reverse=True)]
+        return dead_files(shm_dir, f"gcache-{_safe(server_id)}-", ".seg")
 
     @staticmethod
     def adoptable(
