@@ -253,18 +253,7 @@ class MappedSegment:
         at ``expiry_ms``, with the checks the server makes on TCP. A write that
         outlives its grant can land on bytes the meta already gave to another put;
         that put's checksums turn them into a miss, never into wrong KV."""
-        if now_ms() >= expiry_ms:
-            raise AccessDenied(E_ACCESS_DENIED, "grant expired")
-        n = sum(v.nbytes for v in payload)
-        if n != length:
-            raise AccessDenied(E_OUT_OF_RANGE, f"payload {n} B for a grant of {length} B")
-        self._check(offset, length)
-        pos = offset
-        with self.hold() as arr:
-            for v in payload:
-                n = v.nbytes
-                np.copyto(arr[pos : pos + n], np.frombuffer(v, np.uint8))
-                pos += n
+        self.write_checksums(offset, length, expiry_ms, payload, max(1, len(payload)))
         return length
 
     def close(self) -> None:
