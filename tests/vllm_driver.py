@@ -9,9 +9,16 @@ prefix-cache metrics (cumulative) and, with ``stats_grpc``, GCache's counters.
     python tests/vllm_driver.py SPEC.json OUT.json
 
 SPEC: model (checkpoint dir), phases ([{name, prompts, reset_prefix_cache?,
-kill_pids?}]), max_tokens, connector (null, or the ``kv_connector_extra_config``
+kill_pids?, batch?}]), max_tokens, connector (null, or the ``kv_connector_extra_config``
 dict), module (connector module path), max_num_batched_tokens (optional),
-stats_grpc (the meta's gRPC address, optional).
+stats_grpc (the meta's gRPC address, optional), loras ({name: {id, path}}: LoRA
+on), prompt_embeds (true: prompt embeddings on).
+
+A prompt is a list of token ids, or a dict: ``{"tokens": [...]}`` or
+``{"embeds_seed": S, "n": N}`` (N prompt embeddings, seeded normal values of the
+model's hidden size), with optional ``"lora": NAME`` and ``"salt": CACHE_SALT``.
+A phase with ``batch: true`` sends all its prompts in one ``generate`` (one
+engine batch, mixed kinds); otherwise one ``generate`` each, in order.
 
 A phase with ``kill_pids`` writes them to ``$GCACHE_TEST_KILL_FILE`` first: the
 ``tests.vllm_killer`` connector SIGKILLs them once its next load has started.
@@ -57,6 +64,30 @@ def _metrics(llm: Any) -> dict[str, float]:
     return metrics
 
 
+def _prompt(p: Any, llm: Any, loras: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(vLLM prompt, LoRARequest or None) of one spec prompt."""
+    if isinstance(p, list):
+        return {"prompt_token_ids": p}, None
+    inp: dict[str, Any]
+    if "embeds_seed" in p:
+        import torch
+
+        hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+        gen = torch.Generator().manual_seed(int(p["embeds_seed"]))
+        inp = {"prompt_embeds": torch.randn(int(p["n"]), hidden, generator=gen)}
+    else:
+        inp = {"prompt_token_ids": p["tokens"]}
+    if p.get("salt"):
+        inp["cache_salt"] = p["salt"]
+    lr = None
+    if p.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        spec = loras[p["lora"]]
+        lr = LoRARequest(p["lora"], int(spec["id"]), str(spec["path"]))
+    return inp, lr
+
+
 def run(spec: dict[str, Any], out_path: str) -> dict[str, Any]:
     t0 = time.monotonic()
     from vllm import LLM, SamplingParams
@@ -75,6 +106,11 @@ def run(spec: dict[str, Any], out_path: str) -> dict[str, Any]:
         )
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    loras = spec.get("loras") or {}
+    if loras:
+        kw.update(enable_lora=True, max_lora_rank=8, max_loras=len(loras))
+    if spec.get("prompt_embeds"):
+        kw["enable_prompt_embeds"] = True
     t1 = time.monotonic()
     llm = LLM(
         model=spec["model"],
@@ -107,19 +143,26 @@ def run(spec: dict[str, Any], out_path: str) -> dict[str, Any]:
             if phase.get("kill_pids"):
                 with open(os.environ["GCACHE_TEST_KILL_FILE"], "w") as fh:
                     fh.write(",".join(str(p) for p in phase["kill_pids"]))
-            for prompt in phase["prompts"]:
+            prompts = [_prompt(p, llm, loras) for p in phase["prompts"]]
+            groups = [prompts] if phase.get("batch") else [[p] for p in prompts]
+            for group in groups:
                 t4 = time.monotonic()
-                o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
-                c = o.outputs[0]
-                lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [], strict=True)]
-                rec["outputs"].append(
-                    {
-                        "tokens": list(c.token_ids),
-                        "logprobs": lps,
-                        "cached": o.num_cached_tokens or 0,
-                        "s": round(time.monotonic() - t4, 3),
-                    }
+                outs = llm.generate(
+                    [inp for inp, _ in group], sp, use_tqdm=False, lora_request=[lr for _, lr in group]
                 )
+                for o in outs:
+                    c = o.outputs[0]
+                    lps = [
+                        d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [], strict=True)
+                    ]
+                    rec["outputs"].append(
+                        {
+                            "tokens": list(c.token_ids),
+                            "logprobs": lps,
+                            "cached": o.num_cached_tokens or 0,
+                            "s": round(time.monotonic() - t4, 3),
+                        }
+                    )
             rec["metrics"] = _metrics(llm)
             if spec.get("stats_grpc") and not phase.get("kill_pids"):
                 rec["gcache"] = _gcache_counters(spec["stats_grpc"])

@@ -183,3 +183,53 @@ def write_tiny_llama(
         t[p + "mlp.up_proj.weight"] = _rand(gen, inter, hidden)
         t[p + "mlp.down_proj.weight"] = _rand(gen, hidden, inter)
     return _save(Path(out), config, t)
+
+
+def write_lora_adapter(
+    out: str | Path,
+    *,
+    seed: int,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    rank: int = 8,
+) -> Path:
+    """A PEFT LoRA adapter for ``write_tiny_llama``'s model: seeded random A and B
+    on q/k/v/o of every layer (B non-zero, so the adapter changes K and V, hence
+    the KV cache, and the greedy tokens)."""
+    from safetensors.torch import save_file
+
+    gen = __import__("torch").Generator().manual_seed(seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": "tiny-llama",
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    dims = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+    }
+    t: dict[str, Any] = {}
+    for i in range(layers):
+        for mod, (fan_in, fan_out) in dims.items():
+            p = f"base_model.model.model.layers.{i}.self_attn.{mod}."
+            t[p + "lora_A.weight"] = _rand(gen, rank, fan_in)
+            t[p + "lora_B.weight"] = _rand(gen, fan_out, rank, scale=0.5)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "adapter_model.safetensors"))
+    return out

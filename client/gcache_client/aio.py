@@ -134,9 +134,13 @@ class AsyncGCacheClient:
         tp_size: int = 1,
         tp_rank: int = 0,
         cache_salt: str = "",
+        kv_identity: str = "",
     ) -> Namespace:
         """Register (idempotently) and return the namespace. ``layout`` is a spec or
-        a preset name (``mimo-v2-flash``, ``llama-3-8b``)."""
+        a preset name (``mimo-v2-flash``, ``llama-3-8b``). ``kv_identity``: anything
+        else that changes the KV of every block (a LoRA adapter and a fingerprint of
+        its weights, the pipeline stage), as a canonical string; part of the
+        namespace fingerprint."""
         self._check_open()
         spec = laymod.preset(layout, block_size) if isinstance(layout, str) else layout
         laymod.validate(spec)
@@ -148,6 +152,7 @@ class AsyncGCacheClient:
             tp_rank=tp_rank,
             cache_salt=cache_salt,
             kv_dtype=spec.dtype,
+            kv_identity=kv_identity,
         )
         fp = await self._register(req)
         return Namespace(fp, model, laymod.Layout(spec), req)
@@ -182,12 +187,14 @@ class AsyncGCacheClient:
         *,
         blocks: range | None = None,
         windows_only: bool = True,
+        extras: Sequence[bytes] | None = None,
     ) -> tuple[int, int]:
         """Admin: evict the cached objects of ``tokens``' blocks (``blocks`` selects
         which, default all): only their windowed objects, or everything (full objects
-        go only from blocks without cached descendants). Returns (evicted, refused)."""
+        go only from blocks without cached descendants). Returns (evicted, refused).
+        ``extras``: as for :meth:`put`."""
         self._check_open()
-        block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
+        block_keys = _keys(ns, tokens, extras)
         if blocks is not None:
             block_keys = [block_keys[i] for i in blocks]
         layout = ns.layout
@@ -217,7 +224,10 @@ class AsyncGCacheClient:
     ) -> PutResult:
         """Store the KV of a prompt's full blocks. ``kv[l]`` is ``(K, V)`` of layer l,
         shaped ``[tokens, kv_heads, head_dim]``; sliding layers may pass only their
-        trailing rows. Full groups are stored for every block, windowed groups only
+        trailing rows. ``extras[i]`` (bytes, one per full block at least) is mixed
+        into block i's key: what besides the tokens made that block's KV (multimodal
+        content hashes, prompt-embedding hashes), so the same tokens with other
+        extras are other blocks. Full groups are stored for every block, windowed groups only
         for the blocks a match ending at this prompt needs (strict O(W)). Store
         failures are reported in the result, never raised."""
         self._check_open()
@@ -225,10 +235,17 @@ class AsyncGCacheClient:
 
     # ---- lookup -----------------------------------------------------------------------
 
-    async def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
-        """Tokens of the longest valid cached prefix (no lease; 0 if the store is down)."""
+    async def lookup(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        extras: Sequence[bytes] | None = None,
+    ) -> int:
+        """Tokens of the longest valid cached prefix (no lease; 0 if the store is down).
+        ``extras``: as for :meth:`put`."""
         self._check_open()
-        block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
+        block_keys = _keys(ns, tokens, extras)
         try:
             res: wire.LookupResult = await self._ns_call(
                 ns, wire.Lookup(ns.fingerprint, block_keys, release=self._take_releases())
@@ -239,16 +256,23 @@ class AsyncGCacheClient:
         return int(res.tokens)
 
     async def match(
-        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, *, local_tokens: int = 0
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        local_tokens: int = 0,
+        extras: Sequence[bytes] | None = None,
     ) -> Match:
         """Longest valid prefix with a read lease on its objects, ready for ``get`` or
-        ``get_layers``. Release it (or let it expire) when done.
+        ``get_layers``. Release it (or let it expire) when done. ``extras``: what
+        besides the tokens made each block's KV (as for :meth:`put`; a match finds
+        only blocks put with the same extras).
 
         With ``client.router`` and ``client.instance_id`` set, the outcome goes to
         the router as a hit report (without waiting): ``local_tokens`` (what the
         engine already holds itself) and the tokens past them the pool holds."""
         self._check_open()
-        block_keys = keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size)
+        block_keys = _keys(ns, tokens, extras)
         try:
             res: wire.LookupResult = await self._ns_call(
                 ns, wire.Lookup(ns.fingerprint, block_keys, True, self._take_releases())
@@ -494,3 +518,14 @@ class AsyncGCacheClient:
         if self.router is not None:
             out.update({f"router_{k}": v for k, v in self.router.stats().items()})
         return out
+
+
+def _keys(
+    ns: Namespace, tokens: Sequence[int] | np.ndarray, extras: Sequence[bytes] | None
+) -> list[bytes]:
+    """The chained block keys of ``tokens`` in ``ns``, ``extras`` mixed in (one per
+    full block; more are ignored, fewer is a LayoutError)."""
+    try:
+        return keymod.block_keys(ns.fingerprint, tokens, ns.layout.block_size, extras)
+    except ValueError as exc:
+        raise LayoutError(f"block keys: {exc}") from exc

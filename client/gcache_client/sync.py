@@ -65,13 +65,24 @@ class GCacheClient:
     ) -> tuple[int, int]:
         return self._run(self.aio.evict(ns, tokens, **kw))
 
-    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray) -> int:
-        return self._run(self.aio.lookup(ns, tokens))
+    def lookup(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        extras: Sequence[bytes] | None = None,
+    ) -> int:
+        return self._run(self.aio.lookup(ns, tokens, extras=extras))
 
     def match(
-        self, ns: Namespace, tokens: Sequence[int] | np.ndarray, *, local_tokens: int = 0
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        local_tokens: int = 0,
+        extras: Sequence[bytes] | None = None,
     ) -> Match:
-        return self._run(self.aio.match(ns, tokens, local_tokens=local_tokens))
+        return self._run(self.aio.match(ns, tokens, local_tokens=local_tokens, extras=extras))
 
     def release(self, match: Match) -> None:
         self._run(self.aio.release(match))

@@ -90,7 +90,14 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         lmap = layer_map(kv_cache_config, vllm_config.model_config.dtype)
         self._events: SchedulerEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched: _Scheduler | None = _Scheduler(cfg, lmap, model_id(vllm_config))
+            par = vllm_config.parallel_config
+            self._sched: _Scheduler | None = _Scheduler(
+                cfg,
+                lmap,
+                model_id(vllm_config),
+                tp_size=int(par.tensor_parallel_size),
+                pp_size=int(par.pipeline_parallel_size),
+            )
             self._work: _Worker | None = None
             kve = vllm_config.kv_events_config
             publishing = kve is not None and bool(kve.enable_kv_cache_events)
@@ -192,6 +199,9 @@ class GCacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self._work.take_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._sched is not None:  # keys: unkeyable, LoRA, multimodal, embeddings
+            data = self._sched.take_stats()
+            return GCacheConnectorStats(data=data) if data else None
         if self._work is None:
             return None
         return GCacheConnectorStats(data=self._work.take_stats())

@@ -7,6 +7,9 @@ later): no engine import here, only numpy and the client.
   ``cache_salt`` (bounded), leased matches, a bounded queue of background stores
   (backpressure: a full queue makes the caller wait for the oldest store), and
   counters (:meth:`KVBridge.stats`).
+* :class:`KVKey`: what besides the token ids makes a request's KV (cache salt,
+  LoRA adapter, per-block multimodal / prompt-embedding hashes); every put and
+  match of the bridge is keyed by it.
 * :func:`match_to_wire` / :func:`match_from_wire`: a leased match as plain data,
   so the scheduler process can hand it to a worker process (vLLM pickles its
   connector metadata).
@@ -35,7 +38,7 @@ import numpy as np
 from gcache import layout as laymod
 from gcache import wire
 from gcache.config import ClientConfig
-from gcache.errors import ConfigError, GCacheError
+from gcache.errors import ConfigError, GCacheError, LayoutError
 from gcache_client.sync import GCacheClient
 from gcache_client.types import KVPair, Match, Namespace, PutResult
 from gcache_client.vllm_cpus import parse_cpu_list
@@ -55,7 +58,7 @@ class BridgeConfig:
     model_id: str = ""  # namespace model id; default: the engine's model name
     revision: str = ""
     max_pending_stores: int = 4  # background stores in flight before a store waits
-    max_namespaces: int = 64  # cache_salt namespaces kept registered per process
+    max_namespaces: int = 64  # (cache_salt, adapter) namespaces kept registered per process
     # "layerwise": a hit loads during the request's first forward, layer by layer
     # (the forward waits per layer); "before": the step's loads are read whole
     # before its forward starts (nothing reads during the forward); "auto": layerwise
@@ -74,11 +77,18 @@ class BridgeConfig:
     # at most max_reported_blocks announced blocks (past it the oldest is retracted).
     report_removals: bool = True
     max_reported_blocks: int = 1 << 20
+    # How a LoRA adapter is named in keys: "weights" = its name and a fingerprint
+    # of its files (the scheduler reads the adapter directory; unreadable: the
+    # request is neither loaded nor stored); "name" = its name and lora_int_id,
+    # trusted to be unique within the model id and revision.
+    lora_keys: str = "weights"
     client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
 
     def check(self) -> None:
         if self.load_mode not in LOAD_MODES:
             raise ConfigError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
+        if self.lora_keys not in ("weights", "name"):
+            raise ConfigError(f"lora_keys must be 'weights' or 'name', got {self.lora_keys!r}")
         if self.max_async_loads < 1:
             raise ConfigError(f"max_async_loads must be >= 1, got {self.max_async_loads}")
         if self.client_cpus not in ("auto", "none"):
@@ -108,18 +118,67 @@ class BridgeConfig:
         return cfg
 
 
-def match_to_wire(m: Match) -> tuple[int, int, int, Any, Any]:
+@dataclass(frozen=True)
+class KVKey:
+    """What besides the token ids makes a request's KV, as the bridge keys it.
+
+    * ``salt``: the request's ``cache_salt`` (the tenant's namespace prefix);
+    * ``identity``: what changes the KV of *every* block (the LoRA adapter's name
+      and a fingerprint of its weights, the pipeline stage), canonical text;
+      ``salt`` and ``identity`` choose the namespace;
+    * ``extras``: one byte string per full block, mixed into that block's key
+      (multimodal content hashes with their offsets, prompt-embedding hashes), or
+      None when no block has any;
+    * ``lora_name`` / ``event_keys``: the same identity as vLLM's KV events carry
+      it (the adapter's name, the per-block extra keys), for the events this
+      connector publishes.
+    """
+
+    salt: str = ""
+    identity: str = ""
+    extras: tuple[bytes, ...] | None = None
+    lora_name: str | None = None
+    event_keys: tuple[Any, ...] | None = None
+
+    @property
+    def namespace_key(self) -> tuple[str, str]:
+        return (self.salt, self.identity)
+
+    def extras_for(self, nblocks: int) -> list[bytes] | None:
+        """Extras of the first ``nblocks`` blocks (None when there are none)."""
+        if self.extras is None:
+            return None
+        if len(self.extras) < nblocks:
+            raise LayoutError(f"{len(self.extras)} block extras for {nblocks} blocks")
+        return list(self.extras[:nblocks])
+
+
+PLAIN = KVKey()
+
+
+MatchWire = tuple[int, int, int, Any, Any, bytes]
+
+
+def match_to_wire(m: Match) -> MatchWire:
     return (
         m.blocks,
         m.tokens,
         m.lease_id,
         msgspec.to_builtins(list(m.objects.values())),
         msgspec.to_builtins(m.servers),
+        m.namespace.fingerprint,
     )
 
 
-def match_from_wire(ns: Namespace, data: tuple[int, int, int, Any, Any]) -> Match:
-    blocks, tokens, lease, objects, servers = data
+def wire_namespace(data: MatchWire) -> bytes:
+    """The fingerprint of the namespace a wired match was made in."""
+    return data[5]
+
+
+def match_from_wire(ns: Namespace, data: MatchWire) -> Match:
+    """The match back, in ``ns`` (the caller checks :func:`wire_namespace` first:
+    objects of another namespace are another shard's)."""
+    blocks, tokens, lease, objects, servers, _fp = data
     return Match(
         ns,
         blocks,
@@ -147,6 +206,7 @@ class KVBridge:
         *,
         tp_size: int = 1,
         tp_rank: int = 0,
+        stage: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         config.check()
@@ -155,9 +215,12 @@ class KVBridge:
         self.spec = spec
         self.layout = laymod.Layout(spec)
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        # The pipeline stage ("pp=RANK/SIZE"; "" without pipeline parallelism): two
+        # stages with equal layer shapes hold different layers' KV.
+        self.stage = stage
         self._clock = clock
         self.client = GCacheClient(config.client)
-        self._ns: OrderedDict[str, Namespace] = OrderedDict()
+        self._ns: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcache-store")
         self._pending: list[Future[PutResult | None]] = []
@@ -167,13 +230,18 @@ class KVBridge:
     def block_size(self) -> int:
         return self.spec.block_size
 
-    def namespace(self, cache_salt: str | None = None) -> Namespace:
-        salt = cache_salt or ""
+    def namespace(self, key: KVKey = PLAIN) -> Namespace:
+        """The namespace of ``key``'s salt and identity (registered once, the most
+        recent ``max_namespaces`` kept)."""
+        nk = key.namespace_key
         with self._lock:
-            ns = self._ns.get(salt)
+            ns = self._ns.get(nk)
             if ns is not None:
-                self._ns.move_to_end(salt)
+                self._ns.move_to_end(nk)
                 return ns
+        identity = key.identity
+        if self.stage:
+            identity = f"{identity}\x1f{self.stage}" if identity else self.stage
         ns = self.client.register_namespace(
             self.model_id,
             self.spec,
@@ -181,10 +249,11 @@ class KVBridge:
             revision=self.config.revision,
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
-            cache_salt=salt,
+            cache_salt=key.salt,
+            kv_identity=identity,
         )
         with self._lock:
-            self._ns[salt] = ns
+            self._ns[nk] = ns
             while len(self._ns) > self.config.max_namespaces:
                 self._ns.popitem(last=False)
         return ns
@@ -196,17 +265,18 @@ class KVBridge:
 
     # ---- scheduler side ------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> Match:
+    def match(self, tokens: Sequence[int] | np.ndarray, key: KVKey = PLAIN) -> Match:
         """Longest window-safe prefix of ``tokens`` with a read lease (a miss on any
         store problem)."""
         try:
-            ns = self.namespace(cache_salt)
+            ns = self.namespace(key)
+            extras = key.extras_for(len(tokens) // self.block_size)
         except GCacheError as exc:
             log.warning("namespace registration failed (miss): %s", exc)
             self.counters["lookup_errors"] += 1
             return Match(_NO_NS, 0, 0)
         t0 = self._clock()
-        m = self.client.match(ns, np.asarray(tokens, dtype=np.int64))
+        m = self.client.match(ns, np.asarray(tokens, dtype=np.int64), extras=extras)
         self.counters["lookups"] += 1
         self.counters["lookup_us"] += int((self._clock() - t0) * 1e6)
         self.counters["hit_tokens"] += m.tokens
@@ -225,7 +295,7 @@ class KVBridge:
         self,
         tokens: np.ndarray,
         kv: list[KVPair],
-        cache_salt: str | None,
+        key: KVKey,
         done: Callable[[PutResult | None], None] | None = None,
     ) -> None:
         """Store ``tokens``' KV in the background. ``kv`` must stay untouched until
@@ -239,16 +309,17 @@ class KVBridge:
         if oldest is not None:
             self.counters["store_waits"] += 1
             oldest.result()
-        fut = self._pool.submit(self._store, tokens, kv, cache_salt)
+        fut = self._pool.submit(self._store, tokens, kv, key)
         if done is not None:
             fut.add_done_callback(lambda f: done(f.result()))
         with self._lock:
             self._pending.append(fut)
 
-    def _store(self, tokens: np.ndarray, kv: list[KVPair], salt: str | None) -> PutResult | None:
+    def _store(self, tokens: np.ndarray, kv: list[KVPair], key: KVKey) -> PutResult | None:
         t0 = self._clock()
         try:
-            res = self.client.put(self.namespace(salt), tokens, kv)
+            extras = key.extras_for(len(tokens) // self.block_size)
+            res = self.client.put(self.namespace(key), tokens, kv, extras=extras)
         except GCacheError as exc:  # a store problem never fails a request
             log.warning("store of %d tokens failed: %s", len(tokens), exc)
             self.counters["store_errors"] += 1

@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from gcache import layout as laymod
 from gcache.errors import LayoutError
-from gcache_client.vllm_core import BridgeConfig
+from gcache_client.vllm_core import PLAIN, BridgeConfig, KVKey, MatchWire
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,8 +102,8 @@ class ReqStep:
     end: int  # tokens computed once this step ran
     store_len: int  # tokens to store (0: nothing)
     tokens: list[int] | None = None  # the tokens to store (first step only)
-    cache_salt: str | None = None
-    load: tuple[int, int, int, Any, Any] | None = None  # leased match to load
+    key: KVKey = PLAIN  # what besides the tokens keys its blocks (vllm_keys)
+    load: MatchWire | None = None  # leased match to load
     local: int = 0  # tokens vLLM had in its own prefix cache
     async_load: bool = False  # load in the background; nothing is computed this step
 

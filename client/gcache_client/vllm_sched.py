@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gcache_client.types import Match
-from gcache_client.vllm_core import BridgeConfig, KVBridge, match_to_wire, store_tokens
+from gcache_client.vllm_core import BridgeConfig, KVBridge, KVKey, match_to_wire, store_tokens
+from gcache_client.vllm_keys import RequestKeys, Unkeyable
 from gcache_client.vllm_meta import GCacheConnectorMetadata, LayerMap, ReqStep
 
 if TYPE_CHECKING:
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class _SchedReq:
-    tokens: list[int]
-    salt: str | None
+    tokens: list[int]  # as keyed (vllm_keys): empty = nothing to store
+    key: KVKey | None  # None: its KV cannot be keyed safely, never loaded nor stored
     match: Match | None = None
     local: int = 0
     load_pending: bool = False
@@ -35,27 +36,47 @@ class _SchedReq:
 
 
 class _Scheduler:
-    def __init__(self, cfg: BridgeConfig, lmap: LayerMap, model_id: str) -> None:
+    def __init__(
+        self, cfg: BridgeConfig, lmap: LayerMap, model_id: str, tp_size: int = 1, pp_size: int = 1
+    ) -> None:
         self.lmap = lmap
-        self.bridge = KVBridge(cfg, model_id, lmap.spec)
+        # Matches are made in rank 0's (and stage 0's) namespace; a worker of
+        # another rank or stage matches its own shard again (vllm_worker).
+        self.bridge = KVBridge(
+            cfg,
+            model_id,
+            lmap.spec,
+            tp_size=tp_size,
+            tp_rank=0,
+            stage=f"pp=0/{pp_size}" if pp_size > 1 else "",
+        )
         self.reqs: dict[str, _SchedReq] = {}
         self.async_loads = cfg.load_mode == "async"
+        self.keys = RequestKeys(self.bridge.block_size, cfg.lora_keys)
         self.counters = {"async_loads": 0, "async_load_failures": 0}
+        self._reported: dict[str, int] = {}
+
+    def _new(self, request: Request) -> _SchedReq:
+        try:
+            key: KVKey | None = self.keys.key(request)
+            tokens = self.keys.tokens(request)
+        except Unkeyable:
+            key, tokens = None, []
+        return _SchedReq(tokens, key)
 
     def matched(self, request: Request, num_computed: int) -> int:
-        tokens = list(request.prompt_token_ids or [])
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = _SchedReq(tokens, getattr(request, "cache_salt", None))
-            self.reqs[request.request_id] = st
+            st = self.reqs[request.request_id] = self._new(request)
         if st.match is not None:  # asked again: drop the previous lease
             self.bridge.release(st.match)
             st.match = None
-        if st.no_load:
+        if st.no_load or st.key is None:
             return 0
-        if len(tokens) <= self.bridge.block_size or getattr(request, "prompt_embeds", None):
+        tokens = st.tokens
+        if len(tokens) <= self.bridge.block_size:
             return 0
-        m = self.bridge.match(tokens[: len(tokens) - 1], st.salt)
+        m = self.bridge.match(tokens[: len(tokens) - 1], st.key)
         if m.tokens <= num_computed:
             self.bridge.release(m)
             return 0
@@ -94,7 +115,7 @@ class _Scheduler:
     def build(self, so: SchedulerOutput) -> GCacheConnectorMetadata:
         meta = GCacheConnectorMetadata()
         for req_id, pend in self.reqs.items():
-            if pend.async_pending and pend.match is not None:
+            if pend.async_pending and pend.match is not None and pend.key is not None:
                 pend.async_pending = pend.load_pending = False
                 self.counters["async_loads"] += 1
                 store_len = store_tokens(len(pend.tokens), self.bridge.block_size)
@@ -106,7 +127,7 @@ class _Scheduler:
                         pend.local,
                         store_len,
                         None if pend.sent_tokens else pend.tokens[:store_len],
-                        pend.salt,
+                        pend.key,
                         match_to_wire(pend.match),
                         pend.local,
                         async_load=True,
@@ -115,9 +136,11 @@ class _Scheduler:
                 pend.sent_tokens = True
         for new in so.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
-            if st is None:  # not seen by get_num_new_matched_tokens (resumed, ...)
-                st = _SchedReq(list(new.prompt_token_ids or []), None)
+            if st is None:  # not seen by get_num_new_matched_tokens: its key is
+                # unknown here (no adapter, media or embeddings at hand), store nothing
+                st = _SchedReq([], None)
                 self.reqs[new.req_id] = st
+                self.keys.counters["unkeyed_new_requests"] += 1
             st.blocks = [list(b) for b in new.block_ids]
             self._step(meta, new.req_id, st, new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -148,6 +171,8 @@ class _Scheduler:
         computed: int,
         so: SchedulerOutput,
     ) -> None:
+        if st.key is None:
+            return  # never loaded, never stored
         n = len(st.tokens)
         store_len = store_tokens(n, self.bridge.block_size)
         load = None
@@ -164,12 +189,20 @@ class _Scheduler:
             end,
             store_len,
             None if st.sent_tokens else st.tokens[:store_len],
-            st.salt,
+            st.key,
             load,
             st.local,
         )
         st.sent_tokens = True
         meta.steps.append(step)
+
+    def take_stats(self) -> dict[str, int]:
+        """Counters since the last call (requests by key kind, unkeyable requests,
+        async loads), for vLLM's connector stats."""
+        now = {**self.keys.stats(), **self.counters}
+        out = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return {k: v for k, v in out.items() if v}
 
     def finished(self, req_id: str) -> None:
         st = self.reqs.pop(req_id, None)

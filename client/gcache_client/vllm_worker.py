@@ -23,7 +23,13 @@ from gcache_client import vllm_cpus as cpus
 from gcache_client.sync import SyncLayerStream
 from gcache_client.types import KVPair, Match, PutResult
 from gcache_client.vllm_async import AsyncLoader, LoadJob
-from gcache_client.vllm_core import BridgeConfig, KVBridge, match_from_wire
+from gcache_client.vllm_core import (
+    BridgeConfig,
+    KVBridge,
+    KVKey,
+    match_from_wire,
+    wire_namespace,
+)
 from gcache_client.vllm_meta import MEDIUM, GCacheConnectorMetadata, LayerMap, ReqStep
 from gcache_client.vllm_paged import Seg, from_cache, kv_views, segments, to_cache
 
@@ -35,7 +41,7 @@ class _Staging:
     """A request's rows on their way to GCache: [rows, heads, dim] per layer."""
 
     tokens: np.ndarray
-    salt: str | None
+    key: KVKey
     kv: list[tuple[np.ndarray, np.ndarray]]
     swa_from: int  # first row every sliding layer holds
     filled: int = 0  # rows [0, filled) of every layer are staged
@@ -48,6 +54,7 @@ class _Load:
     stream: SyncLayerStream
     block_ids: tuple[list[int], ...]
     local: int
+    own_lease: bool = False  # this worker's own match (released here), not the scheduler's
     next_layer: int = 0
     failed: bool = False
     segs: dict[tuple[int, int, int], list[Seg]] = field(default_factory=dict)
@@ -56,17 +63,20 @@ class _Load:
 class _Worker:
     def __init__(self, cfg: BridgeConfig, lmap: LayerMap, model_id: str) -> None:
         from vllm.distributed.parallel_state import (
+            get_pp_group,
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
         self.lmap = lmap
+        pp = get_pp_group()
         self.bridge = KVBridge(
             cfg,
             model_id,
             lmap.spec,
             tp_size=get_tensor_model_parallel_world_size(),
             tp_rank=get_tensor_model_parallel_rank(),
+            stage=f"pp={pp.rank_in_group}/{pp.world_size}" if pp.world_size > 1 else "",
         )
         self.layout = self.bridge.layout
         self.index = {name: i for i, name in enumerate(lmap.names)}
@@ -165,12 +175,17 @@ class _Worker:
         # After a hit in vLLM's own prefix cache, the sliding groups hold only the
         # blocks inside the window: stage those rows (the full groups hold all).
         swa_from = _first_live_row(st, self.lmap, self.layout) if st.start else 0
-        self.staging[st.req_id] = _Staging(toks, st.cache_salt, kv, swa_from=swa_from)
+        self.staging[st.req_id] = _Staging(toks, st.key, kv, swa_from=swa_from)
 
     def _start_load(self, st: ReqStep) -> _Load:
         assert st.load is not None
-        ns = self.bridge.namespace(st.cache_salt)
+        ns = self.bridge.namespace(st.key)
         m = match_from_wire(ns, st.load)
+        own = wire_namespace(st.load) != ns.fingerprint
+        if own:
+            # The scheduler matched another shard's namespace (tensor-parallel rank,
+            # pipeline stage): read only this worker's own shard, matched here.
+            m = self._own_match(st, m)
         stg = self.staging.get(st.req_id)
         out: list[KVPair] | None = None
         if stg is not None:
@@ -186,7 +201,28 @@ class _Worker:
         self._stat("load_start_us", int((time.perf_counter() - t0) * 1e6))
         self._stat("loads", 1)
         self._stat("load_tokens", m.tokens - st.local)
-        return _Load(st.req_id, m, stream, st.block_ids, st.local)
+        return _Load(st.req_id, m, stream, st.block_ids, st.local, own_lease=own)
+
+    def _own_match(self, st: ReqStep, theirs: Match) -> Match:
+        """This worker's own match of the scheduler's matched prefix: its shard's
+        objects, never another rank's. Anything short of the scheduler's match is
+        an empty match: the load fails and vLLM recomputes."""
+        self._stat("own_matches", 1)
+        stg = self.staging.get(st.req_id)
+        tokens = (
+            np.asarray(st.tokens, dtype=np.int64)
+            if st.tokens is not None
+            else (stg.tokens if stg is not None else None)
+        )
+        if tokens is None or len(tokens) < theirs.tokens:
+            self._stat("own_match_short", 1)
+            return Match(theirs.namespace, 0, 0)
+        mine = self.bridge.match(tokens[: theirs.tokens], st.key)
+        if mine.tokens < theirs.tokens:
+            self._stat("own_match_short", 1)
+            self.bridge.release(mine)
+            return Match(theirs.namespace, 0, 0)
+        return mine
 
     def _load_all(self, ld: _Load) -> str:
         """An async load, on the loader thread: every layer into the paged cache.
@@ -201,7 +237,7 @@ class _Worker:
                 return ld.stream.error or f"{n} of {self.layout.num_layers} layers"
             return ""
         finally:
-            ld.stream.close()
+            self._close_load(ld)
             self._stat("load_wait_us", int((time.perf_counter() - t0) * 1e6))
 
     def wait_layer(self, name: str) -> None:
@@ -237,6 +273,11 @@ class _Worker:
         kt = arrays.as_torch(k, self.layout.dtype)
         vt = arrays.as_torch(v, self.layout.dtype)
         self._stat("load_bytes", to_cache(kc, vc, segs, kt, vt, start))
+
+    def _close_load(self, ld: _Load) -> None:
+        ld.stream.close()
+        if ld.own_lease:
+            self.bridge.release(ld.match)
 
     def _load_failed(self, ld: _Load, why: str) -> None:
         ld.failed = True
@@ -281,7 +322,7 @@ class _Worker:
         if self.loads:  # layers nobody waited for (a step without attention metadata)
             self.wait_layer(self.lmap.names[-1])
         for ld in self.loads:
-            ld.stream.close()
+            self._close_load(ld)
         self.loads = []
         self.step_segs.clear()
         for st in self.steps:
@@ -306,17 +347,17 @@ class _Worker:
 
         def done(res: PutResult | None) -> None:
             if res is not None and res.ok:
-                self._stored_events(stg.tokens, nblocks, stg.salt)
+                self._stored_events(stg.tokens, nblocks, stg.key)
 
         self._stat("stores", 1)
-        self.bridge.store_async(stg.tokens, kv, stg.salt, done)
+        self.bridge.store_async(stg.tokens, kv, stg.key, done)
 
-    def _stored_events(self, tokens: np.ndarray, nblocks: int, salt: str | None) -> None:
-        ns = self.bridge.namespace(salt)
+    def _stored_events(self, tokens: np.ndarray, nblocks: int, key: KVKey) -> None:
+        ns = self.bridge.namespace(key)
         bs = self.layout.block_size
-        hashes = [
-            int.from_bytes(k[:8], "little") for k in keymod.block_keys(ns.fingerprint, tokens, bs)
-        ][:nblocks]
+        gkeys = keymod.block_keys(ns.fingerprint, tokens, bs, key.extras_for(nblocks))
+        hashes = [int.from_bytes(k[:8], "little") for k in gkeys][:nblocks]
+        ekeys = list(key.event_keys) if key.event_keys is not None else None
         tail = _max_tail(self.layout)
         for g in range(len(self.lmap.group_block)):
             first = 0
@@ -331,7 +372,8 @@ class _Worker:
                     block_size=bs,
                     lora_id=None,
                     medium=MEDIUM,
-                    lora_name=None,
+                    lora_name=key.lora_name,
+                    extra_keys=ekeys[first:nblocks] if ekeys is not None else None,
                     group_idx=g,
                 )
             )

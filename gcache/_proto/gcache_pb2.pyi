@@ -251,7 +251,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
-    __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype")
+    __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype", "kv_identity")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class RegisterNamespaceRequest(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     layout_json: str
@@ -266,7 +267,8 @@ class RegisterNamespaceRequest(_message.Message):
     tp_rank: int
     cache_salt: str
     kv_dtype: str
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout_json: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    kv_identity: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout_json: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_identity: _Optional[str] = ...) -> None: ...
 
 class RegisterNamespaceReply(_message.Message):
     __slots__ = ("fingerprint", "namespace_id")

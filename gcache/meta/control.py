@@ -30,6 +30,8 @@ from gcache.meta.tiers import Demotion, Promotion
 from gcache.storage import columns
 
 log = logging.getLogger("gcache.meta.control")
+# The longest kv_identity a namespace takes (LoRA name + weights fingerprint + stage).
+MAX_KV_IDENTITY = 1024
 
 
 def id_conflict(
@@ -386,6 +388,13 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 "kv_dtype": request.kv_dtype or spec.dtype,
                 "layout": msgspec.to_builtins(spec),
             }
+            if request.kv_identity:  # absent when empty: older fingerprints unchanged
+                if len(request.kv_identity) > MAX_KV_IDENTITY:
+                    raise LayoutError(
+                        f"kv_identity of {len(request.kv_identity)} characters"
+                        f" (at most {MAX_KV_IDENTITY})"
+                    )
+                descriptor["kv_identity"] = request.kv_identity
             if not request.model:
                 raise LayoutError("model is required")
             if self.core.parked_all or self.core.parked_chunks:
