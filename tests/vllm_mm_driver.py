@@ -31,9 +31,9 @@ OUT.json: ``{"phases": {name: {"outputs": [{"tokens", "logprobs", "cached",
 "prompt_tokens", "s"}], "encoder_calls": int, "ec_stats": {...}, "metrics": {...}, "gcache"?:
 {...}}}, "times": {...}, "info": {...}}``. ``encoder_calls`` counts the vision
 tower's forward calls since the start (cumulative; a wrapper installed on the
-model through ``LLM.apply_model``), ``ec_stats`` the EC connector's worker
-counters (``stats()``, cumulative) where it has them. A phase that raises is
-recorded (``error``) and ends the run.
+model through ``LLM.apply_model``), ``ec_stats`` the EC connector's counters
+(``{"worker": stats(), "scheduler": stats()}``, cumulative) where it has them.
+A phase that raises is recorded (``error``) and ends the run.
 """
 
 from __future__ import annotations
@@ -101,13 +101,22 @@ def _encoder_calls(model: Any) -> int:
     return int(_tower(model)._gcache_calls)
 
 
-def _ec_stats() -> dict[str, Any]:
+def _ec_stats(llm: Any) -> dict[str, Any]:
+    """The EC connector's counters (``stats()``), worker side then scheduler side
+    (the engine core runs in this process)."""
     from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
 
-    if not has_ec_transfer():
-        return {}
-    stats = getattr(get_ec_transfer(), "stats", None)
-    return dict(stats()) if callable(stats) else {}
+    out: dict[str, Any] = {}
+    parts = [get_ec_transfer() if has_ec_transfer() else None]
+    try:
+        parts.append(llm.llm_engine.engine_core.engine_core.scheduler.ec_connector)
+    except AttributeError:
+        pass
+    for name, part in zip(("worker", "scheduler"), parts, strict=False):
+        stats = getattr(part, "stats", None)
+        if callable(stats):
+            out[name] = dict(stats())
+    return out
 
 
 def run(spec: dict[str, Any], out_path: str) -> dict[str, Any]:
@@ -189,7 +198,7 @@ def run(spec: dict[str, Any], out_path: str) -> dict[str, Any]:
                     }
                 )
             rec["encoder_calls"] = llm.apply_model(_encoder_calls)[0]
-            rec["ec_stats"] = _ec_stats()
+            rec["ec_stats"] = _ec_stats(llm)
             rec["metrics"] = _metrics(llm)
             if spec.get("stats_grpc"):
                 rec["gcache"] = _gcache_counters(spec["stats_grpc"])
