@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck unit integration proto clean venv vllm-venv compare
+.PHONY: run test lint typecheck unit integration proto clean venv vllm-venv sglang-venv compare
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,13 +43,37 @@ $(VLLM_STAMP): pyproject.toml | $(XXHASH_H)
 
 vllm-venv: $(VLLM_STAMP)
 
+# SGLang 0.5.23 for the HiCache storage backend's tests (tests/integration/test_sglang.py),
+# in its own venv. sglang itself without its dependencies (most are CUDA kernels
+# that do not install or load here: flashinfer, sglang-kernel, cuda-python, ...),
+# then only what importing its mem_cache classes and the backend factory needs.
+# torch 2.14.1 + torchvision 0.29.1 (sglang's own pin; its config imports
+# torchvision, and PyPI's torchvision does not load beside torch 2.13+cpu).
+SGLANG_VENV  ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PIP    = $(SGLANG_VENV)/bin/python -m pip install -q
+SGLANG_FAIL   = { echo >&2 "*** make: building the SGLang venv $(SGLANG_VENV) failed at the step above (make test needs it for tests/integration/test_sglang.py); fix it, then run make sglang-venv"; exit 1; }
+$(SGLANG_STAMP): pyproject.toml | $(XXHASH_H)
+	$(PYTHON) -m venv $(SGLANG_VENV) || $(SGLANG_FAIL)
+	$(SGLANG_PIP) --upgrade pip || $(SGLANG_FAIL)
+	$(SGLANG_PIP) torch==2.14.1 torchvision==0.29.1 || $(SGLANG_FAIL)
+	$(SGLANG_PIP) --no-deps sglang==0.5.23 || $(SGLANG_FAIL)
+	$(SGLANG_PIP) torch==2.14.1 numpy orjson psutil pybase64 requests packaging pillow \
+		starlette fastapi msgspec pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 \
+		dill apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf || $(SGLANG_FAIL)
+	$(SGLANG_PIP) torch==2.14.1 -e . || $(SGLANG_FAIL)
+	$(SGLANG_VENV)/bin/python -c "import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.pool_host.mha, gcache_client.sglang" || $(SGLANG_FAIL)
+	touch $(SGLANG_STAMP)
+
+sglang-venv: $(SGLANG_STAMP)
+
 # Other ports or options: make run ARGS='--meta-port 17700 --grpc-port 17701 ...'
 # (or GCACHE_META_PORT=17700 make run; README "Ports").
 ARGS ?=
 run: $(STAMP)
 	$(VENV)/bin/gcache up --demo $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP) lint typecheck
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) lint typecheck
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
@@ -73,4 +97,4 @@ proto: $(STAMP)
 	$(PY) proto/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

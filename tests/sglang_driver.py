@@ -463,7 +463,8 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
 
 def main() -> None:
     spec_path, out_path = sys.argv[1], sys.argv[2]
-    SPEC.update(json.loads(open(spec_path).read()))
+    with open(spec_path) as fh:
+        SPEC.update(json.load(fh))
     result: dict[str, Any] = {}
     for name, fn in CASES.items():
         t0 = time.monotonic()

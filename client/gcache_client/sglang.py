@@ -232,7 +232,8 @@ def layout_for_regions(sizes: Sequence[int], dtype: str) -> laymod.LayoutSpec:
 
 def _byte_array(ptr: int, size: int) -> np.ndarray:
     """A writable uint8 view of ``size`` bytes of host memory at ``ptr``."""
-    return np.frombuffer((ctypes.c_ubyte * size).from_address(ptr), dtype=np.uint8)
+    raw = (ctypes.c_ubyte * size).from_address(ptr)
+    return np.ctypeslib.as_array(raw)
 
 
 def _page_kv(spec: laymod.LayoutSpec, ptrs: Sequence[int], sizes: Sequence[int]) -> list[KVPair]:
@@ -301,10 +302,10 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.cfg = HiCacheGCacheConfig.from_extra(storage_config.extra_config)
         sc = storage_config
         if getattr(sc, "dcp_size", 1) > 1:
-            raise ConfigError("gcache sglang backend: decode context parallel (dcp) is not supported")
+            raise ConfigError("gcache sglang backend: decode context parallel is not supported")
         if getattr(sc, "should_split_heads", False):
             raise ConfigError(
-                "gcache sglang backend: heterogeneous TP (tp_lcm_size, split heads) is not supported"
+                "gcache sglang backend: heterogeneous TP (tp_lcm_size) is not supported"
             )
         self.model = self.cfg.model_id or sc.model_name or ""
         if not self.model:
@@ -349,9 +350,9 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         name = str(host_pool_name)
         self.registered_pools[name] = host_pool
-        if name == str(PoolName.KV) and self.pools.get(name, None) is not None:
-            if self.pools[name].spec is not None:
-                return  # the anchor already describes the KV pages
+        anchor = self.pools.get(name)
+        if name == str(PoolName.KV) and anchor is not None and anchor.spec is not None:
+            return  # the anchor already describes the KV pages
         self._add_pool(name, host_pool)
 
     def _add_pool(self, name: str, host: Any) -> None:
@@ -461,7 +462,9 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         async with self._sem:
             return await self.aio.lookup(ns, _PAGE_TOKENS, extras=[key]) > 0
 
-    async def _put(self, pool: _Pool, fmt: str, ns: Namespace, key: bytes, kv: list[KVPair]) -> bool:
+    async def _put(
+        self, pool: _Pool, fmt: str, ns: Namespace, key: bytes, kv: list[KVPair]
+    ) -> bool:
         async with self._sem:
             res = await self.aio.put(ns, _PAGE_TOKENS, kv, extras=[key])
         ok = not res.error and not res.failed and not res.no_space
@@ -504,6 +507,11 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         ns = await self._namespace(pool, fmt)
         return await self._gather([self._present(ns, k.encode()) for k in keys])
 
+    def _presence_job(
+        self, pool: _Pool, keys: Sequence[str]
+    ) -> Callable[[], Awaitable[list[bool]]]:
+        return lambda: self._presence(pool, keys, "pages")
+
     def _fmt(self) -> str:
         return "pages" if self.interface_v1 else "flat"
 
@@ -520,7 +528,12 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         if pool.spec is None:
             return len(keys)  # logical anchor: the v2 pools decide
-        got = self._run(lambda: self._presence(pool, keys, self._fmt()), [], "exists")
+        fmt = self._fmt()
+
+        def query() -> Awaitable[list[bool]]:
+            return self._presence(pool, keys, fmt)
+
+        got: list[bool] = self._run(query, [], "exists")
         hits = got.index(False) if False in got else len(got)
         self._count("exists_pages", len(keys))
         self._count("exists_hits", hits)
@@ -548,11 +561,9 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if not restorable:
                 break
             pool = self._pool(transfer.name)
-            present = (
-                self._run(lambda p=pool: self._presence(p, keys[:kv_pages], "pages"), [], "exists")
-                if pool is not None and pool.spec is not None
-                else []
-            )
+            present: list[bool] = []
+            if pool is not None and pool.spec is not None:
+                present = self._run(self._presence_job(pool, keys[:kv_pages]), [], "exists")
             present += [False] * (kv_pages - len(present))
             policy = transfer.hit_policy
             if policy == PoolHitPolicy.TRAILING_PAGES:
@@ -593,7 +604,10 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         for i, s in enumerate(sizes):
             if int(s) != 2 * esize * want[i % r]:
                 raise GCacheError(f"pool {pool.name}: page region of {s} bytes, layout differs")
-        return [_page_kv(spec, ptrs[i * r : (i + 1) * r], sizes[i * r : (i + 1) * r]) for i in range(npages)]
+        return [
+            _page_kv(spec, ptrs[i * r : (i + 1) * r], sizes[i * r : (i + 1) * r])
+            for i in range(npages)
+        ]
 
     def _check_io(self, pool: _Pool | None, keys: Sequence[str], host_indices: Any) -> int:
         """Pages a zero-copy call may move (0: none)."""
@@ -612,7 +626,9 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         return n
 
-    def _io(self, pool: _Pool | None, keys: list[str], host_indices: Any, is_set: bool) -> list[bool]:
+    def _io(
+        self, pool: _Pool | None, keys: list[str], host_indices: Any, is_set: bool
+    ) -> list[bool]:
         n = self._check_io(pool, keys, host_indices)
         out = [False] * len(keys)
         if n == 0 or pool is None:
@@ -627,10 +643,11 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         async def run() -> list[bool]:
             ns = await self._namespace(pool, "pages")
             views = self._page_views(pool, host_indices, n)
+            pairs = zip(keys[:n], views, strict=True)
             if is_set:
-                jobs = [self._put(pool, "pages", ns, k.encode(), v) for k, v in zip(keys, views)]
+                jobs = [self._put(pool, "pages", ns, k.encode(), v) for k, v in pairs]
             else:
-                jobs = [self._get(ns, k.encode(), v) for k, v in zip(keys, views)]
+                jobs = [self._get(ns, k.encode(), v) for k, v in pairs]
             return await self._gather(jobs)
 
         got = self._run(run, [False] * n, "set" if is_set else "get")
@@ -726,7 +743,7 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             ns = await self._namespace(pool, "flat")
             jobs = [
                 self._get(ns, k.encode(), self._flat_kv(pool, t))
-                for k, t in zip(keys[:n], target_locations[:n])
+                for k, t in zip(keys[:n], target_locations[:n], strict=True)
             ]
             return await self._gather(jobs)
 
@@ -762,7 +779,7 @@ class GCacheHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             ns = await self._namespace(pool, "flat")
             jobs = [
                 self._put(pool, "flat", ns, k.encode(), self._flat_kv(pool, v.contiguous()))
-                for k, v in zip(keys, values)
+                for k, v in zip(keys, values[: len(keys)], strict=True)
             ]
             return await self._gather(jobs)
 
