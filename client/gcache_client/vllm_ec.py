@@ -241,8 +241,9 @@ class _Scheduler:
 
 
 class _Worker:
-    def __init__(self, config: ECConfig, store: ECStore, producer: bool) -> None:
+    def __init__(self, config: ECConfig, store: ECStore, producer: bool, device: str) -> None:
         self.store = store
+        self.device = torch.device(device or "cpu")
         self.saving = producer and config.store
         self._salts: OrderedDict[str, str] = OrderedDict()
         self._max = config.max_tracked
@@ -256,6 +257,8 @@ class _Worker:
         while len(self._salts) > self._max:
             self._salts.popitem(last=False)
         for ident, t in meta.loads.items():
+            if t.device != self.device:  # fetched into host memory
+                t = t.to(self.device, non_blocking=True)
             encoder_cache.setdefault(ident, t)
             self.counters["installed"] = self.counters.get("installed", 0) + 1
 
@@ -280,7 +283,9 @@ class GCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         if role == ECConnectorRole.SCHEDULER:
             self._sched = _Scheduler(self.config, self._store, vllm_config)
         else:
-            self._work = _Worker(self.config, self._store, self.is_producer)
+            dc = getattr(vllm_config, "device_config", None)
+            device = str(getattr(dc, "device_type", "") or "cpu")
+            self._work = _Worker(self.config, self._store, self.is_producer, device)
 
     # -- scheduler side --
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
