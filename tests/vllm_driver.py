@@ -148,13 +148,14 @@ def run(spec: dict[str, Any], out_path: str) -> dict[str, Any]:
             for group in groups:
                 t4 = time.monotonic()
                 outs = llm.generate(
-                    [inp for inp, _ in group], sp, use_tqdm=False, lora_request=[lr for _, lr in group]
+                    [inp for inp, _ in group],
+                    sp,
+                    use_tqdm=False,
+                    lora_request=[lr for _, lr in group],
                 )
                 for o in outs:
                     c = o.outputs[0]
-                    lps = [
-                        d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [], strict=True)
-                    ]
+                    lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [], strict=True)]
                     rec["outputs"].append(
                         {
                             "tokens": list(c.token_ids),

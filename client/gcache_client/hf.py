@@ -271,6 +271,48 @@ class PrefillOutput:
         return self.logits[0, -1]
 
 
+MAX_IDENTITIES = 64  # adapter namespaces a connector keeps registered
+
+
+def peft_identity(model: Any, cache: dict[tuple[Any, ...], str] | None = None) -> str:
+    """The KV identity of a (PEFT) model: ``""`` for a plain model; for a model
+    with LoRA adapters, the active adapters' names with a fingerprint (xxh3-128)
+    of each one's weights, e.g. ``"lora=math@<hex>"``. ``cache`` keeps fingerprints
+    per (adapter, parameter versions), so weights changed in place are hashed anew."""
+    import xxhash
+
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        return ""
+    active = getattr(model, "active_adapters", None)
+    names = list(active() if callable(active) else active or [])
+    disabled = getattr(model, "_adapters_disabled", False) is True or any(
+        getattr(m, "_disable_adapters", False) is True for m in model.modules()
+    )
+    if disabled or not names:  # PeftModel.disable_adapter(): the base model's KV
+        return ""
+    parts = []
+    for name in sorted(names):
+        params = sorted(
+            (k, p)
+            for k, p in model.named_parameters()
+            if f".{name}." in k or k.endswith(f".{name}")
+        )
+        key = (name, tuple((k, p.data_ptr(), p._version) for k, p in params))
+        fp = cache.get(key) if cache is not None else None
+        if fp is None:
+            h = xxhash.xxh3_128()
+            h.update(repr(sorted(peft_config[name].to_dict().items(), key=str)).encode())
+            for k, p in params:
+                h.update(k.encode())
+                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            fp = h.hexdigest()
+            if cache is not None:
+                cache[key] = fp
+        parts.append(f"lora={name}@{fp}")
+    return ",".join(parts)
+
+
 class TransformersConnector:
     """Binds one model to one GCache namespace.
 
@@ -290,6 +332,7 @@ class TransformersConnector:
         block_size: int = 64,
         revision: str = "",
         cache_salt: str = "",
+        kv_identity: str | None = None,
         checkpoint_interval: int = MetaConfig.checkpoint_interval,
         checkpoint_last: bool = True,
     ) -> None:
@@ -298,9 +341,12 @@ class TransformersConnector:
         self.client = client
         self.model = model
         self.spec = layout_from_model(model, block_size)
-        self.ns: Namespace = client.register_namespace(
-            model_id, self.spec, block_size=block_size, revision=revision, cache_salt=cache_salt
-        )
+        self.model_id, self.revision, self.cache_salt = model_id, revision, cache_salt
+        # What besides the tokens changes the KV: given, or (None) read off the model
+        # at every call: a PEFT model's active LoRA adapters and their weights.
+        self.fixed_identity = kv_identity
+        self._fingerprints: dict[tuple[Any, ...], str] = {}
+        self._namespaces: dict[str, Namespace] = {}
         self.layout: Layout = self.ns.layout
         self.block_size = block_size
         self.num_layers = len(self.spec.layers)
@@ -319,6 +365,31 @@ class TransformersConnector:
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
+
+    @property
+    def kv_identity(self) -> str:
+        """The identity the next put or match is keyed by (:func:`peft_identity`)."""
+        if self.fixed_identity is not None:
+            return self.fixed_identity
+        return peft_identity(self.model, self._fingerprints)
+
+    @property
+    def ns(self) -> Namespace:
+        """The namespace of the model's current identity (registered once each)."""
+        ident = self.kv_identity
+        ns = self._namespaces.get(ident)
+        if ns is None:
+            if len(self._namespaces) >= MAX_IDENTITIES:
+                self._namespaces.pop(next(iter(self._namespaces)))
+            ns = self._namespaces[ident] = self.client.register_namespace(
+                self.model_id,
+                self.spec,
+                block_size=self.spec.block_size,
+                revision=self.revision,
+                cache_salt=self.cache_salt,
+                kv_identity=ident,
+            )
+        return ns
 
     # ---- the two engine calls ------------------------------------------------------
 
