@@ -308,6 +308,8 @@ def peft_identity(model: Any, cache: dict[tuple[Any, ...], str] | None = None) -
                 h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             fp = h.hexdigest()
             if cache is not None:
+                if len(cache) >= MAX_IDENTITIES:  # bounded: oldest out
+                    cache.pop(next(iter(cache)))
                 cache[key] = fp
         parts.append(f"lora={name}@{fp}")
     return ",".join(parts)
