@@ -156,7 +156,7 @@ class RequestKeys:
             if not salt:
                 return PLAIN
             self.counters["salted_requests"] += 1
-            return KVKey(salt=salt)
+            return self._block_extras(request, salt, "", None)
         identity, lora_name = "", None
         if lora is not None:
             lora_name = str(lora.lora_name)
@@ -167,7 +167,7 @@ class RequestKeys:
                 identity = f"lora={lora_name}#{int(lora.lora_int_id)}"
             self.counters["lora_requests"] += 1
         if not embeds and not mm:
-            return KVKey(salt=salt, identity=identity, lora_name=lora_name)
+            return self._block_extras(request, salt, identity, lora_name)
         if mm:
             for f in request.mm_features:
                 if not getattr(f, "identifier", None):
@@ -199,7 +199,8 @@ class RequestKeys:
         return KVKey(
             salt=salt,
             identity=identity,
-            extras=tuple(extras),
+            # Only the salt or the adapter (namespace): no block has extras of its own.
+            extras=tuple(extras) if any(extras) else None,
             lora_name=lora_name,
             event_keys=tuple(events),
         )
