@@ -55,10 +55,10 @@ def _gcache_counters(meta_grpc: str) -> dict[str, float]:
     return dict(fetch_stats(meta_grpc).counters)
 
 
-def _metrics(llm: Any) -> dict[str, float]:
+def _metrics(llm: Any, names: tuple[str, ...] = ("prefix_cache", "by_source")) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for m in llm.get_metrics():
-        if "prefix_cache" in m.name or "by_source" in m.name:
+        if any(s in m.name for s in names):
             key = m.name + (f"/{m.labels['source']}" if "source" in m.labels else "")
             metrics[key] = float(getattr(m, "value", 0) or 0)
     return metrics

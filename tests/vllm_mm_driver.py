@@ -52,27 +52,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _write(path: str, result: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(result, fh)
-    os.replace(tmp, path)
-
-
-def _gcache_counters(meta_grpc: str) -> dict[str, float]:
-    from gcache.cli.deploy import fetch_stats
-
-    return dict(fetch_stats(meta_grpc).counters)
+from tests.vllm_driver import _gcache_counters, _write
+from tests.vllm_driver import _metrics as _text_metrics
 
 
 def _metrics(llm: Any) -> dict[str, float]:
-    metrics: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if any(s in m.name for s in ("prefix_cache", "by_source", "encoder", "mm_cache")):
-            key = m.name + (f"/{m.labels['source']}" if "source" in m.labels else "")
-            metrics[key] = float(getattr(m, "value", 0) or 0)
-    return metrics
+    return _text_metrics(llm, ("prefix_cache", "by_source", "encoder", "mm_cache"))
 
 
 TOWERS = ("vision_model", "vision_tower", "visual")

@@ -105,17 +105,31 @@ class BridgeConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> BridgeConfig:
-        own = {f.name for f in dataclasses.fields(cls)} - {"client"}
-        unknown = set(extra) - own - _CLIENT_FIELDS
-        if unknown:
-            raise ConfigError(f"unknown GCache connector settings: {sorted(unknown)}")
-        try:
-            client = ClientConfig(**{k: v for k, v in extra.items() if k in _CLIENT_FIELDS})
-            cfg = cls(client=client, **{k: v for k, v in extra.items() if k in own})
-        except TypeError as exc:
-            raise ConfigError(f"GCache connector settings: {exc}") from exc
-        cfg.check()
+        cfg: BridgeConfig = settings_from_extra(cls, extra, "GCache connector")
         return cfg
+
+
+def settings_from_extra(
+    cls: type[Any],
+    extra: Mapping[str, Any],
+    what: str,
+    client_defaults: Mapping[str, Any] | None = None,
+) -> Any:
+    """A connector's settings dataclass (with a ``client: ClientConfig`` field and
+    a ``check()``) from an engine's free-form extra config: its own fields and any
+    ``ClientConfig`` field; an unknown key or a wrong type is one ConfigError."""
+    own = {f.name for f in dataclasses.fields(cls)} - {"client"}
+    unknown = set(extra) - own - _CLIENT_FIELDS
+    if unknown:
+        raise ConfigError(f"unknown {what} settings: {sorted(unknown)}")
+    client_kw = dict(client_defaults or {})
+    client_kw.update({k: v for k, v in extra.items() if k in _CLIENT_FIELDS})
+    try:
+        cfg = cls(client=ClientConfig(**client_kw), **{k: v for k, v in extra.items() if k in own})
+    except TypeError as exc:
+        raise ConfigError(f"{what} settings: {exc}") from exc
+    cfg.check()
+    return cfg
 
 
 @dataclass(frozen=True)

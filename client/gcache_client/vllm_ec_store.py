@@ -48,10 +48,10 @@ from gcache.config import ClientConfig
 from gcache.errors import ConfigError, GCacheError
 from gcache_client.sync import GCacheClient
 from gcache_client.types import Namespace
+from gcache_client.vllm_core import settings_from_extra
 
 log = logging.getLogger("gcache.client.vllm_ec")
 
-_CLIENT_FIELDS = {f.name for f in dataclasses.fields(ClientConfig)}
 HEADER_BYTES = 64
 MAGIC = b"GCEC"
 VERSION = 1
@@ -118,18 +118,9 @@ class ECConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ECConfig:
-        own = {f.name for f in dataclasses.fields(cls)} - {"client"}
-        unknown = set(extra) - own - _CLIENT_FIELDS
-        if unknown:
-            raise ConfigError(f"unknown GCache EC connector settings: {sorted(unknown)}")
-        client_kw: dict[str, Any] = {"load_or_recompute": False}
-        client_kw.update({k: v for k, v in extra.items() if k in _CLIENT_FIELDS})
-        try:
-            client = ClientConfig(**client_kw)
-            cfg = cls(client=client, **{k: v for k, v in extra.items() if k in own})
-        except TypeError as exc:
-            raise ConfigError(f"GCache EC connector settings: {exc}") from exc
-        cfg.check()
+        cfg: ECConfig = settings_from_extra(
+            cls, extra, "GCache EC connector", {"load_or_recompute": False}
+        )
         return cfg
 
 

@@ -39,10 +39,8 @@ in one line when it cannot.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,11 +50,8 @@ import pytest
 
 from gcache.cli.deploy import LocalDeployment
 from tests.vllm_models import write_tiny_llama, write_tiny_mimo
+from tests.vllm_run import VLLM_PY, Run
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = ROOT / "tests" / "vllm_driver.py"
-PROC_TIMEOUT = 300  # one process takes ~40 s
 MAX_PARALLEL = 2  # vLLM processes at once (2 cores; each ~2 GB)
 HMA_OFF = "Turning off hybrid kv cache manager"
 PHASE_MARK = "=== vllm_driver phase"
@@ -65,40 +60,6 @@ if not VLLM_PY.exists():
     if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
         pytest.fail(f"{VLLM_PY} missing: `make vllm-venv` must build it", pytrace=False)
     pytest.skip("no .venv-vllm (make vllm-venv)", allow_module_level=True)
-
-
-class Run:
-    """One vLLM process (tests/vllm_driver.py) for one role, started in the
-    background; ``result()`` waits for it and returns its JSON (with its log)."""
-
-    def __init__(self, tmp: Path, name: str, spec: dict[str, Any], env: dict[str, str]) -> None:
-        self.name, self.out, self.log = name, tmp / f"{name}.out", tmp / f"{name}.log"
-        spec_path = tmp / f"{name}.json"
-        spec_path.write_text(json.dumps(spec))
-        penv = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), **env}
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(VLLM_PY), str(DRIVER), str(spec_path), str(self.out)],
-                cwd=ROOT,
-                env=penv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self.t0 = time.monotonic()
-        self._result: dict[str, Any] | None = None
-
-    def result(self) -> dict[str, Any]:
-        if self._result is None:
-            try:
-                rc = self.proc.wait(timeout=PROC_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                rc = self.proc.wait()
-            wall = time.monotonic() - self.t0
-            text = self.log.read_text(errors="replace")
-            assert rc == 0 and self.out.exists(), f"vLLM {self.name} exited {rc}:\n{text[-4000:]}"
-            self._result = {**json.loads(self.out.read_text()), "log": text, "wall": wall}
-        return self._result
 
 
 def run_vllm(tmp: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> Run:

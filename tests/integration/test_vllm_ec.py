@@ -27,10 +27,8 @@ Without ``.venv-vllm`` the vLLM tests are skipped locally and FAIL under CI.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,11 +47,9 @@ from gcache_client.vllm_ec_store import (
     rows,
 )
 from tests.vllm_mm_models import write_tiny_blip2
+from tests.vllm_run import MM_DRIVER, VLLM_PY
+from tests.vllm_run import Run as VllmRun
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = ROOT / "tests" / "vllm_mm_driver.py"
-PROC_TIMEOUT = 300
 MAX_PARALLEL = 2
 
 if not VLLM_PY.exists() and os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
@@ -149,35 +145,9 @@ def test_ec_header_layout() -> None:
 # ---- end to end: vLLM processes ---------------------------------------------------
 
 
-class Run:
-    """One vLLM process (tests/vllm_mm_driver.py) started in the background."""
-
-    def __init__(self, tmp: Path, name: str, spec: dict[str, Any]) -> None:
-        self.name, self.out, self.log = name, tmp / f"{name}.out", tmp / f"{name}.log"
-        spec_path = tmp / f"{name}.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(VLLM_PY), str(DRIVER), str(spec_path), str(self.out)],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self._result: dict[str, Any] | None = None
-
-    def result(self) -> dict[str, Any]:
-        if self._result is None:
-            try:
-                rc = self.proc.wait(timeout=PROC_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                rc = self.proc.wait()
-            text = self.log.read_text(errors="replace")
-            assert rc == 0 and self.out.exists(), f"vLLM {self.name} exited {rc}:\n{text[-4000:]}"
-            self._result = {**json.loads(self.out.read_text()), "log": text}
-        return self._result
+def Run(tmp: Path, name: str, spec: dict[str, Any]) -> VllmRun:
+    """One vLLM process of tests/vllm_mm_driver.py in the background."""
+    return VllmRun(tmp, name, spec, driver=MM_DRIVER)
 
 
 def prompts(*seeds: int) -> list[dict[str, Any]]:
