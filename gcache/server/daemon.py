@@ -33,6 +33,7 @@ from gcache.errors import (
     Refusal,
     SendTimeout,
 )
+from gcache.leader import MetaFinder
 from gcache.server.core import DataPlaneCore
 from gcache.server.nvme_reads import NvmeReplies, StagedReplies, new_counters, read_staged
 from gcache.server.staging import StagingArea, remove_dead_staging_files, staging_path
@@ -66,9 +67,21 @@ _REFUSED = frozenset(
 )
 
 
+class _Switch(Exception):
+    """The meta tried is not (or no longer) the leader: find it again."""
+
+    def __init__(self, refusal: str) -> None:
+        super().__init__(refusal)
+        self.refusal = refusal
+
+
 class StorageServer:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
+        # The meta (or metas, or etcd) to follow (gcache/leader.py).
+        self.finder = MetaFinder(cfg.meta)
+        self.meta_switches = 0  # times it looked for the leader again
+        self.old_epoch_replies = 0  # heartbeat replies of an older meta, ignored
         self.secret = os.urandom(16)
         self.incarnation = random.getrandbits(63)
         self.segment: Segment | None = None
@@ -114,6 +127,8 @@ class StorageServer:
             **self.bad_frame_log.stats("bad_frames"),
             **self.refused_log.stats("refused_connections"),
             **self.request_log.stats("refused_requests"),
+            "meta_switches": self.meta_switches,
+            "old_epoch_replies": self.old_epoch_replies,
             **(self.tiers.stats() if self.tiers is not None else {}),
             "nvme_read_budget_waits": self.read_budget.waits,
             **self.read_buffers.stats(),
@@ -327,13 +342,17 @@ class StorageServer:
             bad_frames_suppressed=self.bad_frame_log.suppressed,
         )
 
-    async def register(self, stub: Any) -> float:
+    async def register(self, stub: Any, where: str = "") -> float:
         """Register (again) with the meta; retries while it is unreachable. A refusal
-        (bad cluster token, server id held by another live server) is fatal."""
+        (bad cluster token, server id held by another live server) is fatal. With
+        several metas (``self.finder.several``) a meta that is not the leader (or
+        unreachable, or of an older epoch than this server saw) raises
+        :class:`_Switch` so the loop finds the leader."""
         assert self.segment is not None
+        where = where or self.cfg.meta
         req = pb.RegisterServerRequest(
             server_id=self.server_id,
-            host=self.cfg.host,
+            host=self.cfg.advertise_host or self.cfg.host,
             port=self.port,
             hostname=socket.gethostname(),
             shm_path=self.segment.path,
@@ -343,15 +362,23 @@ class StorageServer:
         )
         if self.tiers is not None:
             self.tiers.fill_registration(req)
+        several = self.finder.several
         delay = 0.1
         while not self._stopping.is_set():
             try:
-                reply = await stub.RegisterServer(req, timeout=5.0)
+                reply = await stub.RegisterServer(req, timeout=5.0 if not several else 2.0)
+                assert self.core is not None
+                if several and reply.epoch < self.core.epoch:
+                    raise _Switch(
+                        f"meta {where} has epoch {reply.epoch}, older than {self.core.epoch}"
+                    )
                 self.registrations += 1
-                log.info("registered with meta %s as %s", self.cfg.meta, self.server_id)
+                log.info(
+                    "registered with meta %s as %s (epoch %d)", where, self.server_id, reply.epoch
+                )
+                # Older metas' grants and commands are refused from now on.
+                self.core.epoch = max(self.core.epoch, reply.epoch) if several else reply.epoch
                 if self.tiers is not None:
-                    assert self.core is not None
-                    self.core.epoch = reply.epoch  # older metas' grants are refused now
                     await self.tiers.report(
                         stub, self.server_id, self.incarnation, reply.epoch, reply.report_columns
                     )
@@ -359,10 +386,12 @@ class StorageServer:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _REFUSED:
                     raise GCacheError(
-                        f"meta {self.cfg.meta} refused to register server {self.server_id!r}: "
+                        f"meta {where} refused to register server {self.server_id!r}: "
                         f"{exc.details()}"
                     ) from exc
-                log.warning("register with meta %s failed: %s", self.cfg.meta, exc.details())
+                log.warning("register with meta %s failed: %s", where, exc.details())
+                if several:
+                    raise _Switch(exc.details() or "") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
         return self.cfg.heartbeat_interval_s
@@ -392,57 +421,87 @@ class StorageServer:
             self._stopping.set()
 
     async def _control_loop(self, ready: asyncio.Event) -> None:
-        # The channel reconnects at least every 500 ms whatever the outage length
-        # (auth.RECONNECT_OPTIONS), so after a meta restart the next heartbeat gets
-        # through and is told to re-register: within one interval of the meta.
-        async with aio_channel(
-            self.cfg.meta, token=self.cluster_token, tls_ca=self.cfg.tls_ca
-        ) as channel:
-            stub = pb_grpc.ControlStub(channel)
-            await self.register(stub)
-            ready.set()
-            interval = self.cfg.heartbeat_interval_s
-            failing = False
-            more = False  # the last reply was cut by its bounds: ask again at once
-            while not self._stopping.is_set():
-                if more:
-                    await asyncio.sleep(0)  # yield to the data path, then heartbeat
-                    if self._stopping.is_set():
-                        return
-                elif await self._pause(interval, failing):
-                    return
-                more = False
-                self._beat_soon.clear()  # this beat carries every result so far
-                beat = pb.HeartbeatRequest(
-                    server_id=self.server_id,
-                    incarnation=self.incarnation,
-                    counters=self._counters(),
-                )
-                if self.tiers is not None:
-                    self.tiers.fill_heartbeat(beat)
+        """Find the meta (the one configured, or the leader of several), register,
+        heartbeat; with several metas a failed or refused registration or
+        heartbeat sends it to the leader again."""
+        finder = self.finder
+        while not self._stopping.is_set():
+            found = await finder.find()
+            if found is None:  # etcd names no leader yet, or is unreachable
+                self.meta_switches += 1
+                await asyncio.sleep(0.2)
+                continue
+            where = found[1]
+            # The channel reconnects at least every 500 ms whatever the outage length
+            # (auth.RECONNECT_OPTIONS), so after a meta restart the next heartbeat gets
+            # through and is told to re-register: within one interval of the meta.
+            async with aio_channel(
+                where, token=self.cluster_token, tls_ca=self.cfg.tls_ca
+            ) as channel:
+                stub = pb_grpc.ControlStub(channel)
                 try:
-                    reply = await stub.Heartbeat(beat, timeout=max(interval, 1.0))
-                except grpc.aio.AioRpcError as exc:
-                    if self.tiers is not None:
-                        self.tiers.unsent(beat)  # reported again in the next heartbeat
-                    self.heartbeat_failures += 1
-                    if not failing:  # one line per outage, not one per beat
-                        log.warning("heartbeat to meta %s failed: %s", self.cfg.meta, exc.details())
-                    failing = True
-                    continue
-                if failing:
-                    log.info("meta %s reachable again", self.cfg.meta)
-                    failing = False
-                assert self.core is not None
-                for r in reply.free:
-                    self.core.free(r.offset, r.length)
+                    await self.register(stub, where)
+                    ready.set()
+                    await self._heartbeats(stub, where)
+                    return
+                except _Switch as sw:
+                    self.meta_switches += 1
+                    finder.failed(sw.refusal)
+                    log.info("looking for the meta leader (%s)", sw.refusal or "no answer")
+                    await asyncio.sleep(0.05)
+
+    async def _heartbeats(self, stub: Any, where: str) -> None:
+        several = self.finder.several
+        interval = self.cfg.heartbeat_interval_s
+        failing = 0
+        more = False  # the last reply was cut by its bounds: ask again at once
+        while not self._stopping.is_set():
+            if more:
+                await asyncio.sleep(0)  # yield to the data path, then heartbeat
+                if self._stopping.is_set():
+                    return
+            elif await self._pause(interval, failing > 0):
+                return
+            more = False
+            self._beat_soon.clear()  # this beat carries every result so far
+            beat = pb.HeartbeatRequest(
+                server_id=self.server_id,
+                incarnation=self.incarnation,
+                counters=self._counters(),
+            )
+            if self.tiers is not None:
+                self.tiers.fill_heartbeat(beat)
+            try:
+                reply = await stub.Heartbeat(beat, timeout=max(interval, 1.0))
+            except grpc.aio.AioRpcError as exc:
                 if self.tiers is not None:
-                    self.tiers.apply(reply)  # free -> adopt, drop_nvme, demote
-                if reply.reregister:
-                    log.warning("meta does not know this server; registering again")
-                    await self.register(stub)
-                else:
-                    more = reply.more
+                    self.tiers.unsent(beat)  # reported again in the next heartbeat
+                self.heartbeat_failures += 1
+                if not failing:  # one line per outage, not one per beat
+                    log.warning("heartbeat to meta %s failed: %s", where, exc.details())
+                failing += 1
+                if several:  # the leader died, paused or stepped down: find it
+                    raise _Switch(exc.details() or "") from exc
+                continue
+            assert self.core is not None
+            if reply.epoch and reply.epoch < self.core.epoch:
+                # A reply of an older meta: none of its commands is applied.
+                self.old_epoch_replies += 1
+                if several:
+                    raise _Switch(f"heartbeat reply of epoch {reply.epoch}")
+                continue
+            if failing:
+                log.info("meta %s reachable again", where)
+                failing = 0
+            for r in reply.free:
+                self.core.free(r.offset, r.length)
+            if self.tiers is not None:
+                self.tiers.apply(reply)  # free -> adopt, drop_nvme, demote
+            if reply.reregister:
+                log.warning("meta does not know this server; registering again")
+                await self.register(stub, where)
+            else:
+                more = reply.more
 
     # ---- lifecycle ---------------------------------------------------------------
 
