@@ -198,7 +198,8 @@ def test_state_file_of_a_live_gcache_up_is_read(tmp_path: Path) -> None:
     got = read_state(tmp_path)
     assert got == body
     lines = state_lines(body, wall=100.0)
-    assert lines[0].split() == "process pid port state restarts last exit for".split()
+    header = ["process", "pid", "port", "state", "restarts", "last", "exit", "for"]
+    assert lines[0].split() == header
     assert lines[2].split() == ["server0", "12", "7800", "backing-off", "2", "-9", "1.0s"]
     assert lines[1].split() == ["meta", "11", "7701", "running", "0", "-", "10.0s"]
 
