@@ -507,45 +507,29 @@ class StorageServer:
 
     async def run(self) -> None:
         cfg = self.cfg
+        # SIGINT/SIGTERM from here on, start-up included, end in the cleanup below:
+        # the segment is made (reserved, pre-faulted) on a worker thread a signal
+        # cannot cut short, so a stop asked meanwhile is honoured right after it.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopping.set)
         self.listener = listen_tcp(cfg.host, cfg.port, "server.port, --port", 512)
         self.port = self.listener.getsockname()[1]
         if not self.server_id:
             self.server_id = f"{socket.gethostname()}:{self.port}"
         path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
-        self.tiers = await TierState.open(cfg, self.server_id, path)  # off the loop
-        self.tiers.on_report = self._beat_soon.set
-        self.segment = self.tiers.segment
-        self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
-        if self.tiers.nvme is not None and cfg.staging_size_bytes:
-            remove_dead_staging_files(cfg.shm_dir, self.segment.path)
-            self.staging = await asyncio.to_thread(  # reserves and faults in: off the loop
-                StagingArea,
-                staging_path(self.segment.path),
-                cfg.staging_size_bytes,
-                cfg.staging_ttl_s,
-                max(cfg.staging_size_bytes // 2, 4096),
-            )
-        log.info(
-            "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
-            self.server_id,
-            self.segment.capacity,
-            path,
-            cfg.host,
-            self.port,
-        )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stopping.set)
-        ready = asyncio.Event()
-        tasks = [
-            asyncio.create_task(self.accept_loop()),
-            asyncio.create_task(self.control_loop(ready)),
-        ]
+        # A killed predecessor's staging file (with or without a tier now).
+        for name in remove_dead_staging_files(cfg.shm_dir, path):
+            log.warning("removed staging file %s of a dead process", name)
         try:
-            await asyncio.wait(
-                [asyncio.create_task(ready.wait()), asyncio.create_task(self._stopping.wait())],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            self.tiers = await TierState.open(cfg, self.server_id, path)  # off the loop
+        except BaseException:
+            self.listener.close()
+            raise
+        ready = asyncio.Event()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await self._start_serving(path, ready, tasks)
             if ready.is_set() and cfg.ready_file:
                 with open(cfg.ready_file + ".tmp", "w") as fh:
                     fh.write(f"{cfg.host} {self.port}\n")
@@ -554,7 +538,11 @@ class StorageServer:
             if self.fatal is not None:
                 raise self.fatal
         finally:
-            log.info("gcache-server %s stopping", self.server_id)
+            log.info(
+                "gcache-server %s stopping%s",
+                self.server_id,
+                "" if ready.is_set() else " (before it was ready)",
+            )
             self.listener.close()
             for t in [*tasks, *self.connections]:
                 t.cancel()
@@ -563,7 +551,46 @@ class StorageServer:
             self.read_buffers.close()
             if self.staging is not None:
                 self.staging.close()  # removes the staging file
-            self.tiers.close()  # keeps the segment and its manifest for the next start
+            # Keeps the segment and its manifest for the next start, unless this start
+            # made it and stopped before registering: then it holds nothing.
+            self.tiers.close(keep=ready.is_set() or self.tiers.segment.reused)
+
+    async def _start_serving(
+        self, path: str, ready: asyncio.Event, tasks: list[asyncio.Task[None]]
+    ) -> None:
+        """The rest of start-up (staging file, data and control loops), then wait
+        until registered or stopped (``ready``; ``tasks`` gets the loops)."""
+        cfg = self.cfg
+        assert self.tiers is not None
+        self.tiers.on_report = self._beat_soon.set
+        self.segment = self.tiers.segment
+        self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
+        if self.tiers.nvme is not None and cfg.staging_size_bytes and not self._stopping.is_set():
+            self.staging = await asyncio.to_thread(  # reserves and faults in: off the loop
+                StagingArea,
+                staging_path(self.segment.path),
+                cfg.staging_size_bytes,
+                cfg.staging_ttl_s,
+                max(cfg.staging_size_bytes // 2, 4096),
+            )
+        if self._stopping.is_set():
+            return
+        log.info(
+            "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
+            self.server_id,
+            self.segment.capacity,
+            path,
+            cfg.host,
+            self.port,
+        )
+        tasks += [
+            asyncio.create_task(self.accept_loop()),
+            asyncio.create_task(self.control_loop(ready)),
+        ]
+        await asyncio.wait(
+            [asyncio.create_task(ready.wait()), asyncio.create_task(self._stopping.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
