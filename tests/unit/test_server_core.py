@@ -384,6 +384,8 @@ def test_refusal_counters(core: DataPlaneCore) -> None:
         "seals": 0,
         "sealed_bytes": 0,
         "replays_refused": 0,
+        "old_epoch_refused": 0,
+        "epoch": 0,
         "used_grants": 1,
     }
 
