@@ -209,6 +209,10 @@ def test_kill9_of_a_server_and_of_the_meta_is_healed(tmp_path: Path) -> None:
             assert st1[name]["restarts"] == 0
         assert _files_of(shm, {old0}) == []  # its segment re-adopted, its staging file removed
         assert (shm / f"gcache-server0-{new0}.seg").exists()
+        readopted = re.findall(
+            r"re-adopted segment \S+: (\d+) objects", (tmp_path / "server0.log").read_text()
+        )
+        assert readopted and int(readopted[-1]) > 0, readopted
         _wait(
             lambda: all(client.lookup(ns, tokens(NTOK, seed=s)) == NTOK for s in range(PROMPTS)),
             15,
