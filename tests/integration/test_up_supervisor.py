@@ -350,3 +350,29 @@ def test_server_stopped_while_starting_leaves_no_segment(
         for name in os.listdir(shm):
             (shm / name).unlink()
         shm.rmdir()
+
+
+def test_given_up_process_stays_down_and_no_meta_stops_the_deployment(tmp_path: Path) -> None:
+    """``--max-restarts 0``: a dead server is given up on (said, shown, never
+    restarted) while the rest keeps serving; with the meta given up too nothing can
+    serve, so ``gcache up`` stops everything and exits 1."""
+    up = Up(tmp_path, "--capacity", "32MiB", "--nvme-size", "0", "--max-restarts", "0")
+    try:
+        grpc_addr = up.wait_for(r"meta gRPC\s+(\S+)").group(1)
+        up.wait_for("serving; Ctrl-C to stop")
+        pids = {n: int(p["pid"]) for n, p in up.state().items()}  # type: ignore[call-overload]
+        os.kill(pids["server1"], signal.SIGKILL)
+        up.wait_for(r"server1 exited \(-9\); restarted 0 times in 60 s already, giving up on it")
+        _wait(lambda: up.state()["server1"]["state"] == "given-up", 5, "given-up in the state")
+        time.sleep(1.0)  # no restart comes
+        st = up.state()
+        assert st["server1"]["restarts"] == 0 and int(st["server1"]["pid"]) == pids["server1"]  # type: ignore[call-overload]
+        assert _alive(pids["server0"]) and _alive(pids["meta"])
+        assert "server0" in {s.server_id for s in fetch_stats(grpc_addr).servers if s.alive}
+        os.kill(pids["meta"], signal.SIGKILL)
+        up.wait_for("no meta left to restart; stopping the deployment")
+        assert up.proc.wait(30) == 1, up.text
+    finally:
+        up.close()
+    assert re.search(r"stopped: server0=0, server1=-9, meta=-9", up.text), up.text
+    _assert_nothing_left(up, Path("/dev/shm"))
