@@ -22,8 +22,8 @@ from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import sync_channel
 from gcache.cli.ha import HA_METAS, Etcd
-from gcache.config import ClientConfig
-from gcache.errors import GCacheError
+from gcache.config import ClientConfig, ServerConfig, load
+from gcache.errors import ConfigError, GCacheError
 from gcache.startup import one_line
 from gcache.storage.segment import _safe as safe_id
 
@@ -325,10 +325,15 @@ class LocalDeployment:
         return self.data_dir / f"server{i}-nvme"
 
     def shm_dir(self) -> Path:
+        """Where the servers put their segments: ``--shm-dir`` in ``server_args``,
+        else what they read from the environment (``GCACHE_SERVER_SHM_DIR``)."""
         args = self.server_args
         if "--shm-dir" in args[:-1]:
             return Path(args[args.index("--shm-dir") + 1])
-        return Path("/dev/shm")
+        try:
+            return Path(load(ServerConfig).shm_dir)
+        except ConfigError:  # the servers refuse it too, and create nothing
+            return Path(ServerConfig().shm_dir)
 
     def segment_files(self, i: int) -> list[Path]:
         """Segment file and manifest of server ``i``'s current process."""

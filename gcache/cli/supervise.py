@@ -273,7 +273,7 @@ class Driver:
             changed = True
             try:
                 self.d.respawn[name].spawn()
-            except GCacheError as exc:
+            except (GCacheError, OSError) as exc:  # e.g. no log file, no more processes
                 self.say(self.sup.exited(name, None, now).line + f": {exc}")
         if changed or now - self._written >= 1.0:
             self.write_state(now)
