@@ -385,6 +385,8 @@ def test_refusal_counters(core: DataPlaneCore) -> None:
         "sealed_bytes": 0,
         "replays_refused": 0,
         "used_grants": 1,
+        "records_persisted": 0,
+        "record_failures": 0,
     }
 
 
