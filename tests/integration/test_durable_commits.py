@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gcache import wire
 from gcache.cli.deploy import LocalDeployment
 from gcache_client import GCacheClient
+from tests import rawwire
 from tests.kvdata import assert_layers_match, make_kv, tiny_hybrid, tokens
 
 PROMPTS = 60
@@ -89,6 +91,11 @@ def test_acknowledged_puts_survive_kill9_of_the_meta(
             prompts, last_ok = _burst(client, ns)
             time.sleep(max(0.0, last_ok + delay_ms / 1000 - time.monotonic()))
             d.restart_meta(signal.SIGKILL)
+            # The writes took the transport under test (shm: SEALs, TCP: none).
+            head, st, _ = rawwire.call(d.servers[0].port, wire.ServerStats())
+            assert head.msg_type == wire.T_SERVER_STATS_REPLY, st
+            assert (st.values["sealed_bytes"] > 0) == (transport == "shm"), st.values
+            assert st.values["records_persisted"] >= PROMPTS, st.values
             took = _wait_all_hit(client, ns, prompts, f"kill -9 of the meta {delay_ms} ms after")
             counters = dict(d.stats().counters)
             print(f"{transport} +{delay_ms} ms: all {PROMPTS} hit {took:.2f} s after restart")
