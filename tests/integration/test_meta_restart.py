@@ -1,7 +1,8 @@
 """kill -9 of the meta under a workload: the restarted meta rebuilds its index from
 the servers' reports, so every prompt put before (acknowledged, the kill coming
-right after) hits again within 5 s of the meta being ready; clients reconnect by themselves and every operation
-during the outage ends as a miss, never as an exception."""
+right after) hits again within 5 s of the meta being ready; clients reconnect by
+themselves and every operation during the outage ends as a miss, never as an
+exception."""
 
 from __future__ import annotations
 
