@@ -86,7 +86,7 @@ def main() -> None:
 
             def med(tree: str, field: str, s: str = size, t: str = transport) -> float:
                 return statistics.median(
-                    x[field]
+                    float(x[field])
                     for x in runs
                     if x["tree"] == tree and x["size"] == s and x["transport"] == t
                 )
