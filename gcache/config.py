@@ -266,7 +266,8 @@ class MetaConfig:
         default=1.0,
     )
     adopt_outbox: int = _doc(
-        "commits queued per server for its manifest (sent in the next heartbeat reply); "
+        "in-process drivers' commits queued per server for its manifest (sent in the "
+        "next heartbeat reply; clients' puts are recorded by the server at the write); "
         "past it they are counted and not recorded (lost on a restart, never wrong)",
         default=1 << 16,
     )

@@ -83,6 +83,7 @@ class Layout:
         "block_size",
         "dtype",
         "dtype_size",
+        "group_layer_bytes",
         "group_layers",
         "group_names",
         "group_object_bytes",
@@ -124,6 +125,13 @@ class Layout:
             self.layer_offset.append(group_fill[g])
             group_fill[g] += kb + vb
         self.group_object_bytes: list[int] = group_fill
+        # Each layer's byte length (K then V) of each group's object, or () when
+        # they are all equal: what an object's record carries (``layer_bytes``) so
+        # its server can split it into the layers its checksums cover.
+        self.group_layer_bytes: list[tuple[int, ...]] = []
+        for layers in self.group_layers:
+            sizes = tuple(self.layer_k_bytes[i] + self.layer_v_bytes[i] for i in layers)
+            self.group_layer_bytes.append(sizes if len(set(sizes)) > 1 else ())
         # Blocks before the match end whose group object must be present: all of
         # them for full attention (None), ceil((W-1)/block_size) for a window W.
         self.group_tail_blocks: list[int | None] = [

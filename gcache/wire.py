@@ -105,10 +105,31 @@ class Grant(Msg):
     epoch: int = 0
 
 
+class ObjectInfo(Msg):
+    """The record of the object a write grant was minted for, sent with its
+    ``WRITE`` / ``SEAL``: the server checks the grant's tag against
+    :func:`gcache.capability.bind_digest` of these fields and appends the record
+    (with ``sums``, the per-layer xxh3-64 checksums the writer computed, 8 bytes
+    each) to its manifest before it answers the receipt. ``parent``: the key of
+    block ``pos - 1`` (``b""`` for block 0); ``layer_bytes``: each layer's length
+    when the group's layers differ in size, else empty."""
+
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    pos: int
+    group: int
+    sums: bytes
+    layer_bytes: list[int] = []
+
+
 class Write(Msg):
-    """Write ``payload`` (exactly ``grant.length`` bytes) at ``grant.offset``."""
+    """Write ``payload`` (exactly ``grant.length`` bytes) at ``grant.offset``.
+    ``obj``: the object the grant is bound to (every grant the meta mints is);
+    None only for an unbound grant, whose write is not recorded."""
 
     grant: Grant
+    obj: ObjectInfo | None = None
 
 
 class Read(Msg):
@@ -126,9 +147,12 @@ class ReadData(Msg):
 class Seal(Msg):
     """Consume write grants whose bytes the client wrote itself (shared memory):
     the server marks each grant used, exactly as a ``WRITE`` does, and answers with
-    one receipt per grant (``Sealed``). A used grant cannot write again."""
+    one receipt per grant (``Sealed``). A used grant cannot write again.
+    ``objs``: the object of each grant, index-aligned (as ``Write.obj``); empty
+    only when every grant is unbound."""
 
     grants: list[Grant]
+    objs: list[ObjectInfo] = []
 
 
 class Sealed(Msg):

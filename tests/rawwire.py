@@ -48,3 +48,15 @@ def closed_by_peer(s: socket.socket, timeout: float = 5.0) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def obj(
+    fp: bytes, layout: Any, ks: list[bytes], p: wire.Placement, sums: bytes | None = None
+) -> wire.ObjectInfo:
+    """The record placement ``p``'s write grant is bound to (prompt keys ``ks`` of
+    namespace ``fp``), with ``sums`` (default: zero checksums, a miss if read)."""
+    from gcache_client.writer import object_info
+
+    if sums is None:
+        sums = bytes(8 * len(layout.group_layers[p.group]))
+    return object_info(layout, fp, ks, p.block, p.group, sums)

@@ -1,7 +1,9 @@
 """The put path: check the caller's KV against the layout, ask the meta for
 placements, write each object (a ``WRITE`` over TCP, or a copy into a local
 server's mapped segment followed by one ``SEAL`` per server), and commit the
-objects written with their checksums and the servers' receipts."""
+objects written with their checksums and the servers' receipts. Each write carries
+its object's record (:class:`gcache.wire.ObjectInfo`: the one its write grant is
+bound to, with the checksums), which the server persists before the receipt."""
 
 from __future__ import annotations
 
@@ -98,6 +100,22 @@ def object_views(
     return payload, native.checksums(payload, 2)
 
 
+def object_info(
+    layout: laymod.Layout, fp: bytes, block_keys: list[bytes], block: int, group: int, sums: bytes
+) -> wire.ObjectInfo:
+    """The record of the object at ``block``/``group`` that its write grant is bound
+    to (``capability.bind_digest``), with its per-layer checksums."""
+    return wire.ObjectInfo(
+        fp,
+        block_keys[block],
+        block_keys[block - 1] if block else b"",
+        block,
+        group,
+        sums,
+        list(layout.group_layer_bytes[group]),
+    )
+
+
 # ---- lookup -----------------------------------------------------------------------
 
 
@@ -172,9 +190,10 @@ class Writer:
                         sums = seg.write_checksums(g.offset, g.length, g.expiry_ms, payload, 2)
                         return pi, sums, None
                     sums = native.checksums(payload, 2)
+                    obj = object_info(layout, ns.fingerprint, block_keys, p.block, p.group, sums)
                     conn = await self._pool.server(addr)
                     reply: wire.Ok = await conn.call(
-                        wire.Write(p.grant), payload, timeout=self._client.config.timeout_s
+                        wire.Write(p.grant, obj), payload, timeout=self._client.config.timeout_s
                     )
                 except GCacheError as exc:
                     log.warning(
@@ -188,7 +207,13 @@ class Writer:
         else:
             done = await asyncio.gather(*(write_one(i, p) for i, p in enumerate(placed.placements)))
         written = [d for d in done if d is not None]
-        sealed = await self._seal(placed, [d[0] for d in written if d[2] is None])
+        shm: list[tuple[int, wire.ObjectInfo]] = []
+        for pi, sums, rc in written:
+            if rc is None:  # copied into a mapped segment: sealed with its record
+                pl = placed.placements[pi]
+                obj = object_info(layout, ns.fingerprint, block_keys, pl.block, pl.group, sums)
+                shm.append((pi, obj))
+        sealed = await self._seal(placed, shm)
         ok: list[tuple[int, bytes]] = []
         receipts: list[int] = []
         for pi, sums, rc in written:
@@ -210,23 +235,27 @@ class Writer:
         self._client.counters["bytes_put"] += result.bytes_written
         return result
 
-    async def _seal(self, placed: wire.PutPlaced, shm_done: list[int]) -> dict[int, int]:
+    async def _seal(
+        self, placed: wire.PutPlaced, shm_done: list[tuple[int, wire.ObjectInfo]]
+    ) -> dict[int, int]:
         """One ``SEAL`` per server for the objects this client copied into its
-        segment itself: the server consumes their grants (as a ``WRITE`` would) and
-        returns receipts. Placement index -> receipt; a refused or failed seal
-        leaves its objects out (the put stores fewer, the meta reclaims them)."""
+        segment itself (placement index, record): the server consumes their grants
+        (as a ``WRITE`` would), persists their records and returns receipts.
+        Placement index -> receipt; a refused or failed seal leaves its objects out
+        (the put stores fewer, the meta reclaims them)."""
         if not shm_done:  # every object went over TCP (WRITE answered its receipt)
             return {}
-        by_server: dict[int, list[int]] = {}
-        for pi in shm_done:
-            by_server.setdefault(placed.placements[pi].server, []).append(pi)
+        by_server: dict[int, list[tuple[int, wire.ObjectInfo]]] = {}
+        for pi, obj in shm_done:
+            by_server.setdefault(placed.placements[pi].server, []).append((pi, obj))
 
-        async def seal_one(si: int, pis: list[int]) -> dict[int, int]:
+        async def seal_one(si: int, part: list[tuple[int, wire.ObjectInfo]]) -> dict[int, int]:
             addr = placed.servers[si]
+            pis = [pi for pi, _ in part]
             try:
                 conn = await self._pool.server(addr)
                 reply: wire.Sealed = await conn.call(
-                    wire.Seal([placed.placements[pi].grant for pi in pis]),
+                    wire.Seal([placed.placements[pi].grant for pi in pis], [o for _, o in part]),
                     timeout=self._client.config.timeout_s,
                 )
             except GCacheError as exc:

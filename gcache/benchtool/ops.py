@@ -27,6 +27,7 @@ from gcache import wire
 from gcache.benchtool.stats import Progress, Samples
 from gcache.layout import LayerSpec, Layout, LayoutSpec
 from gcache_client import AsyncGCacheClient, Namespace
+from gcache_client.writer import object_info
 
 
 @dataclass
@@ -193,7 +194,7 @@ async def populate_index(
         while True:
             placed = await client._meta_call(wire.PutBegin(ns.fingerprint, ks, masks))
             if placed.placements:
-                await _seal_and_commit(client, layout, placed)
+                await _seal_and_commit(client, layout, placed, ns.fingerprint, ks)
                 deadline = time.monotonic() + stall_s
             if not placed.no_space:
                 break
@@ -207,11 +208,16 @@ async def populate_index(
 
 
 async def _seal_and_commit(
-    client: AsyncGCacheClient, layout: Layout, placed: wire.PutPlaced
+    client: AsyncGCacheClient,
+    layout: Layout,
+    placed: wire.PutPlaced,
+    fp: bytes,
+    keys: list[bytes],
 ) -> None:
     """Commit every placement of ``placed`` without writing its bytes. The meta
     commits only placements whose grants a server consumed: SEAL them (no bytes
-    move) for their receipts."""
+    move; each with the record its grant is bound to, zero checksums: a read of
+    one is a miss) for their receipts."""
     by_server: dict[int, list[int]] = {}
     for i, pl in enumerate(placed.placements):
         by_server.setdefault(pl.server, []).append(i)
@@ -219,7 +225,12 @@ async def _seal_and_commit(
     for si, pis in by_server.items():
         conn = await client._server(placed.servers[si])
         grants = [placed.placements[i].grant for i in pis]
-        sealed = await conn.call(wire.Seal(grants), timeout=client.config.timeout_s)
+        objs = []
+        for i in pis:
+            pl = placed.placements[i]
+            zero = bytes(8 * len(layout.group_layers[pl.group]))
+            objs.append(object_info(layout, fp, keys, pl.block, pl.group, zero))
+        sealed = await conn.call(wire.Seal(grants, objs), timeout=client.config.timeout_s)
         receipt.update(zip(pis, sealed.receipts, strict=True))
     done = [
         (i, bytes(8 * len(layout.group_layers[pl.group]))) for i, pl in enumerate(placed.placements)

@@ -121,6 +121,10 @@ class Puts(Placement):
         index: dict[str, int] = {}
         servers: list[wire.ServerAddr] = []
         placements = []
+        keys = req.keys
+        fp = ns.fingerprint
+        layer_bytes = ns.layout.group_layer_bytes
+        bind_digest = capability.bind_digest
         for block, g, srv, off, size in placed:
             si = index.get(srv.server_id)
             if si is None:
@@ -129,7 +133,14 @@ class Puts(Placement):
             # Write grants carry this meta's epoch: a server refuses those of an
             # older meta than the one it registered with (no amnesiac overwrites).
             ep = srv.grant_epoch
-            tag = capability.mint(srv.secret, capability.KIND_WRITE, off, size, expiry_ms, 0, ep)
+            # Bound to the one object it may write: the server checks the record
+            # the writer sends against it and persists that record before the
+            # receipt (durable before this meta acknowledges the commit).
+            parent = keys[block - 1] if block else b""
+            bind = bind_digest(fp, keys[block], parent, block, g, layer_bytes[g])
+            tag = capability.mint(
+                srv.secret, capability.KIND_WRITE, off, size, expiry_ms, 0, ep, bind
+            )
             grant = wire.Grant(off, size, expiry_ms, tag, 0, ep)
             placements.append(wire.Placement(block, g, si, grant))
         return wire.PutPlaced(put_id, placements, servers, plan.no_space, plan.checkpoints)
@@ -194,6 +205,7 @@ class Puts(Placement):
             now,
             owner=put.owner.principal.name,
             hold_until=put.deadline,
+            record=session is LOCAL,
         )
 
     def _check_receipts(self, put: PendingPut, req: wire.PutCommit, done: dict[int, bytes]) -> None:
@@ -219,11 +231,15 @@ class Puts(Placement):
         now: float,
         owner: str = "",
         hold_until: float | None = None,
+        record: bool = True,
     ) -> int:
         """Make the placements written (``done``: placement index -> checksums; None:
         all of them, without checksums, for in-process drivers) visible, their bytes
         counted against tenant ``owner``; the rest are quarantined until
         ``hold_until`` (their grants' end; None: no grant was minted, free at once).
+        ``record``: queue each object for its server's manifest (the heartbeat
+        reply's ``adopt``); False for a client's put, whose server recorded every
+        object when its bound write grant was consumed, before the receipt.
         Returns the objects committed."""
         layout = ns.layout
         entries = ns.entries
@@ -247,7 +263,8 @@ class Puts(Placement):
                 continue
             obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now, owner)
             self._link_object(ns, entry, obj)
-            self._record(ns, obj)
+            if record:
+                self._record(ns, obj)
             added[g] += size
             objs.append(obj)
             touched[srv.server_id] = srv

@@ -167,10 +167,7 @@ def group_layer_bytes(layout: Layout, group: int) -> tuple[int, ...]:
     """Byte length of each layer (K then V) of ``group``'s object, or () when they
     are all equal (the server splits an object of n checksums into n equal layers
     unless its record says otherwise; ``StoredObject.layer_bytes``)."""
-    sizes = tuple(
-        layout.layer_k_bytes[i] + layout.layer_v_bytes[i] for i in layout.group_layers[group]
-    )
-    return sizes if len(set(sizes)) > 1 else ()
+    return layout.group_layer_bytes[group]
 
 
 def kids(obj: ObjectRecord) -> int:

@@ -8,18 +8,32 @@ server remembers its tag until the grant expires, so a replay is refused. The
 table of used grants is bounded; when it is full of unexpired grants, new writes
 are refused (never forgotten: forgetting would re-open replays). A consumed grant
 earns a receipt (:func:`gcache.capability.receipt`) that the client hands to the
-meta with ``PutCommit``."""
+meta with ``PutCommit``.
+
+A write grant is bound to one object (:func:`gcache.capability.bind_digest`): the
+``WRITE`` / ``SEAL`` carries the object's record, the tag is checked against it, and
+the record goes to the manifest (``recorder``) after the bytes are in and before
+the receipt is made: a receipt, hence a commit, implies the record is persisted."""
 
 from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from gcache import capability, wire
-from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_NO_SPACE, E_OUT_OF_RANGE, Refusal
+from gcache.errors import (
+    E_ACCESS_DENIED,
+    E_BAD_REQUEST,
+    E_INTERNAL,
+    E_NO_SPACE,
+    E_OUT_OF_RANGE,
+    GCacheError,
+    Refusal,
+)
 from gcache.server.tiered import MAX_NVME_READ, TieredReadReply
+from gcache.storage.manifest import StoredRecord
 from gcache.storage.nvme import NvmeTier
 from gcache.storage.segment import Segment
 
@@ -31,6 +45,42 @@ _VERIFIED_MAX: Final = 1 << 16
 # put timeout, so this bounds the writes a server accepts per put timeout.
 MAX_USED_GRANTS: Final = 1 << 20
 MAX_SEAL_GRANTS: Final = 1 << 16
+MAX_SUMS: Final = 8 << 12  # checksum bytes in one object's record (4096 layers)
+
+Recorder = Callable[[list[StoredRecord]], None]
+
+
+def bind_of(obj: wire.ObjectInfo | None) -> bytes:
+    """The digest a write grant presented with ``obj`` must be bound to (b"": none)."""
+    if obj is None:
+        return b""
+    return capability.bind_digest(
+        obj.namespace, obj.key, obj.parent, obj.pos, obj.group, obj.layer_bytes
+    )
+
+
+def record_of(grant: wire.Grant, obj: wire.ObjectInfo) -> StoredRecord:
+    """The manifest record of the object ``grant`` wrote (a DRAM object)."""
+    return StoredRecord(
+        namespace=obj.namespace,
+        key=obj.key,
+        parent=obj.parent,
+        pos=obj.pos,
+        group=obj.group,
+        tier=0,
+        offset=grant.offset,
+        length=grant.length,
+        sums=obj.sums,
+        seq=0,
+        layer_bytes=tuple(obj.layer_bytes),
+    )
+
+
+def _check_sums(obj: wire.ObjectInfo | None) -> None:
+    if obj is not None and (len(obj.sums) % 8 or len(obj.sums) > MAX_SUMS):
+        raise Refusal(
+            E_BAD_REQUEST, f"record checksums of {len(obj.sums)} bytes (8 per layer wanted)"
+        )
 
 
 def _granted(grants: list[wire.Grant]) -> int:
@@ -85,6 +135,9 @@ class DataPlaneCore:
         "nvme",
         "old_epoch",
         "reads",
+        "record_failures",
+        "recorded",
+        "recorder",
         "refused",
         "replays",
         "seals",
@@ -99,8 +152,13 @@ class DataPlaneCore:
         secret: bytes,
         max_used_grants: int = MAX_USED_GRANTS,
         nvme: NvmeTier | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         self.segment = segment
+        # Persists the records of consumed bound write grants (the manifest's
+        # ``record_writes``), called before a receipt is returned; None: not kept.
+        self.recorder = recorder
+        self.recorded = self.record_failures = 0
         # Issue 10: the NVMe tier (tier-1 read grants), and the epoch of the meta this
         # server is registered with: grants minted by an older meta are refused.
         self.nvme = nvme
@@ -119,7 +177,7 @@ class DataPlaneCore:
         self.reads = self.writes = self.bytes_read = self.bytes_written = 0
         self.refused = self.freed_bytes = 0
 
-    def _check_grant(self, kind: bytes, grant: wire.Grant, now_ms: int) -> None:
+    def _check_grant(self, kind: bytes, grant: wire.Grant, now_ms: int, bind: bytes = b"") -> None:
         if grant.tier:
             nvme = self.nvme
             if grant.tier != 1 or kind != capability.KIND_READ or nvme is None:
@@ -157,8 +215,13 @@ class DataPlaneCore:
             grant.tag,
             grant.tier,
             grant.epoch,
+            bind,
         ):
-            raise Refusal(E_ACCESS_DENIED, "range not covered by a valid grant")
+            raise Refusal(
+                E_ACCESS_DENIED,
+                "range not covered by a valid grant"
+                + (" for this object" if kind == capability.KIND_WRITE else ""),
+            )
         if kind != capability.KIND_READ:
             return  # write grants are one-shot: nothing to gain from caching them
         if len(self._verified) >= _VERIFIED_MAX:
@@ -193,6 +256,27 @@ class DataPlaneCore:
         """The receipt of a consumed write grant (``WRITE``'s ``Ok`` value)."""
         return capability.receipt(self.secret, grant.offset, grant.length, grant.expiry_ms)
 
+    def _persist(self, recs: list[StoredRecord]) -> None:
+        """Hand written objects' records to the manifest (one append); a failure
+        refuses the receipts (the put stores fewer objects, nothing is acknowledged
+        that was not persisted)."""
+        if not recs or self.recorder is None:
+            return
+        try:
+            self.recorder(recs)
+        except GCacheError as exc:
+            self.record_failures += 1
+            raise Refusal(E_INTERNAL, f"written, but not recorded: {exc}") from exc
+        self.recorded += len(recs)
+
+    def write_done(self, msg: wire.Write) -> int:
+        """A WRITE's payload is in the segment: record its object, then return the
+        receipt (``Ok`` value). Raises :class:`Refusal` when the record could not be
+        persisted (no receipt: the object is not committed)."""
+        if msg.obj is not None:
+            self._persist([record_of(msg.grant, msg.obj)])
+        return self.receipt(msg.grant)
+
     def write_target(self, msg: wire.Write, payload_len: int, now_ms: int) -> memoryview:
         """The segment view a WRITE's payload goes into, or :class:`Refusal`."""
         try:
@@ -202,7 +286,8 @@ class DataPlaneCore:
                     E_BAD_REQUEST,
                     f"payload of {payload_len} bytes does not match the granted {g.length} bytes",
                 )
-            self._check_grant(capability.KIND_WRITE, g, now_ms)
+            _check_sums(msg.obj)
+            self._check_grant(capability.KIND_WRITE, g, now_ms, bind_of(msg.obj))
             self._check_unused(g, now_ms)
         except Refusal:
             self.refused += 1
@@ -215,14 +300,22 @@ class DataPlaneCore:
     def seal(self, msg: wire.Seal, now_ms: int) -> list[int]:
         """Consume the write grants of bytes a shared-memory client copied itself,
         all or none: one invalid, expired or already used grant refuses the whole
-        ``SEAL``. Returns one receipt per grant, in order; the bytes count as writes."""
+        ``SEAL``. The records of the sealed objects are persisted (one manifest
+        append) before the receipts are returned, one per grant, in order; the bytes
+        count as writes."""
         grants = msg.grants
+        objs: list[wire.ObjectInfo] | list[None] = msg.objs or [None] * len(grants)
         try:
             if len(grants) > MAX_SEAL_GRANTS:
                 raise Refusal(E_BAD_REQUEST, f"more than {MAX_SEAL_GRANTS} grants in one SEAL")
+            if len(objs) != len(grants):
+                raise Refusal(
+                    E_BAD_REQUEST, f"{len(msg.objs)} object records for {len(grants)} grants"
+                )
             tags: set[bytes] = set()
-            for i, g in enumerate(grants):
-                self._check_grant(capability.KIND_WRITE, g, now_ms)
+            for i, (g, obj) in enumerate(zip(grants, objs, strict=True)):
+                _check_sums(obj)
+                self._check_grant(capability.KIND_WRITE, g, now_ms, bind_of(obj))
                 self._check_unused(g, now_ms, i)
                 if g.tag in tags:
                     self.replays += 1
@@ -235,6 +328,8 @@ class DataPlaneCore:
         for g in grants:
             self._consume(g)
             nbytes += g.length
+        if msg.objs:
+            self._persist([record_of(g, o) for g, o in zip(grants, msg.objs, strict=True)])
         self.seals += 1
         self.writes += len(grants)
         self.bytes_written += nbytes
@@ -319,6 +414,8 @@ class DataPlaneCore:
             "old_epoch_refused": self.old_epoch,
             "epoch": self.epoch,
             "used_grants": len(self._used),
+            "records_persisted": self.recorded,
+            "record_failures": self.record_failures,
         }
 
     def __repr__(self) -> str:

@@ -186,7 +186,15 @@ class StorageServer:
                     await stream.recv_into(target)
                     if conn is not None:
                         conn.idle_since = None  # the payload is in: the frame is whole
-                    await stream.send_msg(wire.Ok(core.receipt(msg.grant)), head.req_id)
+                    try:  # the object's record is persisted before its receipt
+                        rc = core.write_done(msg)
+                    except Refusal as r:
+                        self.request_log.log(
+                            time.monotonic(), "WRITE from %s: %s", stream.peer, r.message
+                        )
+                        await stream.send_msg(wire.Error(r.code, r.message), head.req_id)
+                        continue
+                    await stream.send_msg(wire.Ok(rc), head.req_id)
                 elif head.msg_type == wire.T_READ:
                     try:
                         reply = core.read_views(msg, now_ms)
@@ -379,6 +387,7 @@ class StorageServer:
                 # Older metas' grants and commands are refused from now on.
                 self.core.epoch = max(self.core.epoch, reply.epoch) if several else reply.epoch
                 if self.tiers is not None:
+                    self.tiers.registered()
                     await self.tiers.report(
                         stub, self.server_id, self.incarnation, reply.epoch, reply.report_columns
                     )
@@ -471,6 +480,7 @@ class StorageServer:
             )
             if self.tiers is not None:
                 self.tiers.fill_heartbeat(beat)
+                self.tiers.beat_sent()
             try:
                 reply = await stub.Heartbeat(beat, timeout=max(interval, 1.0))
             except grpc.aio.AioRpcError as exc:
@@ -497,6 +507,7 @@ class StorageServer:
                 self.core.free(r.offset, r.length)
             if self.tiers is not None:
                 self.tiers.apply(reply)  # free -> adopt, drop_nvme, demote
+                self.tiers.beat_answered()
             if reply.reregister:
                 log.warning("meta does not know this server; registering again")
                 await self.register(stub, where)
@@ -564,7 +575,9 @@ class StorageServer:
         assert self.tiers is not None
         self.tiers.on_report = self._beat_soon.set
         self.segment = self.tiers.segment
-        self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
+        self.core = DataPlaneCore(
+            self.segment, self.secret, nvme=self.tiers.nvme, recorder=self.tiers.record_writes
+        )
         if self.tiers.nvme is not None and cfg.staging_size_bytes and not self._stopping.is_set():
             self.staging = await asyncio.to_thread(  # reserves and faults in: off the loop
                 StagingArea,

@@ -8,8 +8,13 @@
   failing their CRC or payload hash are dropped), and measure the DRAM and NVMe
   bandwidths the meta uses; all of it on a worker thread (:meth:`TierState.open`),
   never on the event loop.
-* Each heartbeat reply's ``adopt``: recorded with the checksums the meta sends
-  (``StoredObject.sums``); no byte of the object is read (the restart checks them).
+* Each write under a bound grant (``WRITE``, ``SEAL``): its object's record, sent
+  with it, is appended to the manifest before the receipt is answered
+  (:meth:`TierState.record_writes`), so a commit the meta acknowledged is in the
+  manifest, and in every later report, whichever process is killed after it.
+* Each heartbeat reply's ``adopt`` (in-process drivers' commits only): recorded
+  with the checksums the meta sends (``StoredObject.sums``); no byte of the object
+  is read (the restart checks them).
 * On registration: the registration carries the tier's size and bandwidths and the
   count of objects held; :meth:`report` then streams every record
   (``ReportObjects``, chunks of :data:`REPORT_CHUNK`, ``last`` on the final one).
@@ -274,6 +279,23 @@ class TierState:
             reply.parked,
         )
 
+    # ---- writes ----------------------------------------------------------------------
+
+    def record_writes(self, recs: list[StoredRecord]) -> None:
+        """The records of objects written under bound grants, persisted before their
+        receipts (:class:`gcache.server.core.DataPlaneCore`'s recorder); raises
+        :class:`GCacheError` when the append fails."""
+        self.manifest.record_writes(recs)
+
+    def beat_sent(self) -> None:
+        self.manifest.beat_sent()
+
+    def beat_answered(self) -> None:
+        self.manifest.beat_answered()
+
+    def registered(self) -> None:
+        self.manifest.registered()
+
     # ---- heartbeats ----------------------------------------------------------------
 
     def fill_heartbeat(self, beat: pb.HeartbeatRequest) -> None:
@@ -473,6 +495,8 @@ class TierState:
             "manifest_records": len(self.manifest),
             "manifest_bad_frames": self.manifest.bad_frames,
             "manifest_dropped": self.manifest.dropped,
+            "manifest_overlaps_dropped": self.manifest.overlaps_dropped,
+            "manifest_spared_frees": self.manifest.spared_frees,
             "adopted": self.adopted,
             "epoch": self.epoch,
             "demotions": self.demotions,

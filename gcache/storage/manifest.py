@@ -1,13 +1,29 @@
-"""The server's DRAM manifest: the owner's record of every object committed in its
-segment, so a restarted server (clean or ``kill -9``) re-adopts the segment file it
-left in the tmpfs and reports what it holds.
+"""The server's DRAM manifest: the owner's record of every object written and
+committed in its segment, so a restarted server (clean or ``kill -9``) re-adopts the
+segment file it left in the tmpfs and reports what it holds, and a restarted meta
+rebuilds its index from those reports.
 
-The meta sends each committed object's record in a heartbeat reply (``adopt``) and
-each freed range (``free``); the server appends them to a log next to the segment
-file (the same tmpfs: it survives the process, not a reboot, exactly like the
-segment it describes). Every log entry is one frame::
+A client's write records its object: the ``WRITE`` / ``SEAL`` carries the record
+its write grant is bound to (:func:`gcache.capability.bind_digest`), and the server
+appends it here (:meth:`Manifest.record_writes`) before it answers the receipt
+the meta needs to commit, so every acknowledged commit is in this log. A write
+drops every record its range overlaps: a valid write grant on a range means the
+meta holds that range free of live objects. The meta also sends each freed range
+(``free``; and, for in-process drivers, committed records as ``adopt``) in
+heartbeat replies. The log lives next to the segment file (the same tmpfs: it
+survives the process, not a reboot, exactly like the segment it describes). Every
+log entry is one frame::
 
     u32 body length | u32 CRC-32 of the body | body (MessagePack)
+
+A heartbeat reply's ``free`` may be older than a write to the same range: the meta
+freed the range, placed a new object there, and the new object's write reached
+the server before the reply carrying the free. So a free drops only records
+written before the server sent the last heartbeat answered before that reply
+(every free in a reply was made after the meta built the previous reply, which
+was after that heartbeat was sent); a record it spares is at worst stale: its
+bytes are the object's own or fail their checksums (a miss, never wrong bytes),
+and the next write over its range drops it.
 
 A frame that is cut short or fails its CRC ends the replay (a torn tail after a
 ``kill -9``, or damage): it and everything after it are dropped, so those objects
@@ -18,10 +34,10 @@ record is checked against the segment (:meth:`Manifest.verify`, on a worker thre
 :data:`VERIFY_BATCH` bytes per call of the shared checksum function,
 :func:`gcache._native.checksums`) and dropped when its bytes differ. The server does
 not know the layout: an object of ``n`` checksums is split into the layer lengths
-its record carries (``layer_bytes``, sent by the meta when a group's layers differ
-in size), else into ``n`` equal layers; a record whose lengths do not add up fails
-the check and is dropped (a miss). Logs of older servers (no ``layer_bytes``) are
-read as before: their objects of unequal layers were never re-adoptable.
+its record carries (``layer_bytes``, sent when a group's layers differ in size),
+else into ``n`` equal layers; a record whose lengths do not add up fails the check
+and is dropped (a miss). Logs of older servers (no ``layer_bytes``) are read as
+before: their objects of unequal layers were never re-adoptable.
 
 The log is compacted (the live records rewritten to a new file, then renamed over
 the old one) when it holds more than twice the live records plus
@@ -37,6 +53,7 @@ from collections.abc import Iterator
 from typing import Final
 
 import msgspec
+from sortedcontainers import SortedList
 
 from gcache import _native
 from gcache.errors import GCacheError
@@ -161,15 +178,21 @@ class Manifest:
     ``free`` and ``adopt`` lists; each call is one ``write`` of its frames."""
 
     __slots__ = (
+        "_answered",
         "_fd",
         "_live",
         "_log_bytes",
+        "_stamp",
+        "_starts",
         "bad_frames",
+        "beats",
         "dropped",
+        "overlaps_dropped",
         "owner",
         "path",
         "records",
         "seq",
+        "spared_frees",
         "verified_bytes",
         "writes",
     )
@@ -186,6 +209,15 @@ class Manifest:
         self._fd = -1
         self._log_bytes = 0
         self._live = 0  # bytes the live records take in a compacted log
+        self._starts = SortedList()  # offsets of ``records`` (overlap checks)
+        # Heartbeats sent, and how many had been sent when the last answered one
+        # was; a written record's stamp is ``beats`` when it was written (see the
+        # module doc: which frees may drop it).
+        self.beats = 0
+        self._answered = 0
+        self._stamp: dict[int, int] = {}
+        self.overlaps_dropped = 0  # records dropped because a write overlapped them
+        self.spared_frees = 0  # frees older than the record at their offset
 
     # ---- start -------------------------------------------------------------------
 
@@ -205,8 +237,7 @@ class Manifest:
             entries = []  # another server's (or a damaged) log: nothing to re-adopt
         for e in entries:
             if e.kind == KIND_ADD and e.rec is not None:
-                self.records.pop(e.rec.offset, None)
-                self.records[e.rec.offset] = e.rec
+                self._insert(e.rec, count=False)
                 self.seq = max(self.seq, e.rec.seq)
             elif e.kind == KIND_FREE:
                 self._forget(e.offset, e.length)
@@ -254,6 +285,8 @@ class Manifest:
                 check()
         check()
         self.records = keep
+        self._starts = SortedList(keep)
+        self._stamp.clear()
         self.verified_bytes = sum(r.length for r in keep.values())
         self._rewrite()
         return len(keep)
@@ -266,13 +299,15 @@ class Manifest:
         adopt: list[StoredRecord],
         segment: memoryview | None = None,
     ) -> int:
-        """Drop the freed ranges' records, then record the adopted objects with the
-        checksums they carry (their bytes are not read: that is the restart's job,
-        :meth:`verify`); with ``segment``, one outside it is not recorded. One
-        append. Returns the adopted records kept."""
+        """Drop the freed ranges' records (a record written after the last answered
+        heartbeat was sent is spared: the free may be older than it), then record
+        the adopted objects with the checksums they carry (their bytes are not
+        read: that is the restart's job, :meth:`verify`); with ``segment``, one
+        outside it is not recorded. One append. Returns the adopted records kept."""
         out = bytearray()
+        before = self._answered
         for off, length in free:
-            if self._forget(off, length):
+            if self._forget(off, length, before):
                 out += frame(_Entry(KIND_FREE, None, off, length))
         kept = 0
         for rec in adopt:
@@ -281,24 +316,85 @@ class Manifest:
                 continue
             self.seq += 1
             rec.seq = self.seq
-            self._forget(rec.offset, rec.length)
-            self.records[rec.offset] = rec
-            self._live += _size(rec)
+            self._insert(rec)
             out += frame(_Entry(KIND_ADD, rec))
             kept += 1
         if out:
             self._append(out)
-        if self._log_bytes > 2 * self._live + COMPACT_SLACK:
-            self._rewrite()
+        self._maybe_compact()
         return kept
 
-    def _forget(self, offset: int, length: int) -> bool:
+    def record_writes(self, recs: list[StoredRecord]) -> None:
+        """Record objects just written under their bound write grants (one
+        ``WRITE``, or every grant of one ``SEAL``): each drops the records its
+        range overlaps, and all of them go out in one append, which must succeed
+        before the server answers the receipts (raises :class:`GCacheError`)."""
+        out = bytearray()
+        stamp = self.beats
+        for rec in recs:
+            self.seq += 1
+            rec.seq = self.seq
+            self.overlaps_dropped += self._insert(rec)
+            self._stamp[rec.offset] = stamp
+            out += frame(_Entry(KIND_ADD, rec))
+        if out:
+            self._append(out)
+        self._maybe_compact()
+
+    def beat_sent(self) -> None:
+        """A heartbeat is going to the meta."""
+        self.beats += 1
+
+    def beat_answered(self) -> None:
+        """The reply to the heartbeat last sent was applied: frees in later replies
+        were made after it was sent (one heartbeat is in flight at a time)."""
+        self._answered = self.beats
+
+    def registered(self) -> None:
+        """Registered with a meta (it gets every record in the report that follows,
+        and grants of older metas are refused from now on): a free from it may drop
+        any record it was reported."""
+        self._stamp.clear()
+
+    def _maybe_compact(self) -> None:
+        if self._log_bytes > 2 * self._live + COMPACT_SLACK:
+            self._rewrite()
+
+    def _insert(self, rec: StoredRecord, count: bool = True) -> int:
+        """Make ``rec`` the record of its range, dropping every record that range
+        overlaps (``count``: keep the live-bytes tally, which a replay at start
+        need not: :meth:`verify` rewrites the log). Returns the records dropped."""
+        starts, records = self._starts, self.records
+        lo, hi = rec.offset, rec.offset + rec.length
+        i = starts.bisect_left(lo)
+        if i and (prev := records[starts[i - 1]]).offset + prev.length > lo:
+            i -= 1
+        over = list(starts.islice(i, starts.bisect_left(max(hi, lo + 1))))
+        for off in over:
+            old = records.pop(off)
+            if count:
+                self._live -= _size(old)
+            self._stamp.pop(off, None)
+            starts.remove(off)
+        starts.add(lo)
+        records[lo] = rec
+        if count:
+            self._live += _size(rec)
+        return len(over)
+
+    def _forget(self, offset: int, length: int, before: int | None = None) -> bool:
         """Drop the record of the object at ``offset`` (the meta frees whole
-        objects: a range is freed exactly as it was placed)."""
+        objects: a range is freed exactly as it was placed); with ``before``, not a
+        record written since heartbeat ``before`` was sent."""
         rec = self.records.get(offset)
         if rec is None or rec.length > length:
             return False
+        if before is not None and self._stamp.get(offset, -1) >= before:
+            self.spared_frees += 1
+            return False
         del self.records[offset]
+        self._stamp.pop(offset, None)
+        self._starts.remove(offset)
         self._live -= _size(rec)
         return True
 
@@ -358,4 +454,6 @@ class Manifest:
             "appends": self.writes,
             "bad_frames": self.bad_frames,
             "dropped": self.dropped,
+            "overlaps_dropped": self.overlaps_dropped,
+            "spared_frees": self.spared_frees,
         }

@@ -180,7 +180,8 @@ def test_writes_with_bad_lengths_or_grants(deployment, stored) -> None:  # type:
         assert rawwire.closed_by_peer(s)
     # The client disconnects in the middle of a legitimate write.
     s = rawwire.connect(port)
-    s.sendall(wire.pack_frame(wire.Write(g), 1, g.length) + b"z" * (g.length // 2))
+    own = rawwire.obj(ns.fingerprint, ns.layout, ks, p)
+    s.sendall(wire.pack_frame(wire.Write(g, own), 1, g.length) + b"z" * (g.length // 2))
     s.close()
     head, _, _ = rawwire.call(port, wire.Ping())
     assert head.msg_type == wire.T_OK

@@ -24,13 +24,31 @@ def ns(deployment: LocalDeployment) -> Iterator[Namespace]:
         yield c.register_namespace("grants", tiny_hybrid())
 
 
+# Prompt keys of each put begun here, for the records its grants are bound to.
+KEYS: dict[int, tuple[Namespace, list[bytes]]] = {}
+
+
 def _placed(d: LocalDeployment, ns: Namespace, seed: int) -> wire.PutPlaced:
     assert d.meta is not None
     ks = keys.block_keys(ns.fingerprint, tokens(8, seed=seed), ns.layout.block_size)
     head, placed, _ = rawwire.call(d.meta.port, wire.PutBegin(ns.fingerprint, ks, [1, 1]))
     assert head.msg_type == wire.T_PUT_PLACED, placed
     assert len(placed.placements) == 2
+    KEYS[placed.put_id] = (ns, ks)
     return placed  # type: ignore[no-any-return]
+
+
+def _obj(placed: wire.PutPlaced, p: wire.Placement) -> wire.ObjectInfo:
+    ns, ks = KEYS[placed.put_id]
+    return rawwire.obj(ns.fingerprint, ns.layout, ks, p)
+
+
+def _write(placed: wire.PutPlaced, p: wire.Placement) -> wire.Write:
+    return wire.Write(p.grant, _obj(placed, p))
+
+
+def _seal(placed: wire.PutPlaced, ps: list[wire.Placement]) -> wire.Seal:
+    return wire.Seal([p.grant for p in ps], [_obj(placed, p) for p in ps])
 
 
 def _send(s: Any, msg: wire.Msg, req_id: int, payload: bytes = b"") -> tuple[Any, Any]:
@@ -48,37 +66,38 @@ def test_replayed_write_grant_is_refused_by_the_server(
     port = placed.servers[p.server].port
     g = p.grant
     with rawwire.connect(port) as s:
-        head, body = _send(s, wire.Write(g), 1, b"a" * g.length)
+        head, body = _send(s, _write(placed, p), 1, b"a" * g.length)
         assert head.msg_type == wire.T_OK
         assert 0 <= body.value < 1 << 64  # the receipt
         # The same grant again, on this connection and on a fresh one: refused,
         # the payload drained, the connection still usable.
-        head, body = _send(s, wire.Write(g), 2, b"b" * g.length)
+        head, body = _send(s, _write(placed, p), 2, b"b" * g.length)
         assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED
         assert "already used" in body.message
         head, _ = _send(s, wire.Ping(), 3)
         assert head.msg_type == wire.T_OK
-    head, body, _ = rawwire.call(port, wire.Write(g), b"c" * g.length)
+    head, body, _ = rawwire.call(port, _write(placed, p), b"c" * g.length)
     assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED
     rawwire.call(deployment.meta.port, wire.PutAbort(placed.put_id))  # type: ignore[union-attr]
 
 
 def test_seal_then_write_refused(deployment: LocalDeployment, ns: Namespace) -> None:
     placed = _placed(deployment, ns, seed=2)
-    by_server: dict[int, list[wire.Grant]] = {}
+    by_server: dict[int, list[wire.Placement]] = {}
     for p in placed.placements:
-        by_server.setdefault(p.server, []).append(p.grant)
-    for si, grants in by_server.items():
+        by_server.setdefault(p.server, []).append(p)
+    for si, ps in by_server.items():
         port = placed.servers[si].port
         with rawwire.connect(port) as s:
-            head, body = _send(s, wire.Seal(grants), 1)
+            head, body = _send(s, _seal(placed, ps), 1)
             assert head.msg_type == wire.T_SEALED, body
-            assert len(body.receipts) == len(grants)
-            assert len(set(body.receipts)) == len(grants)
-            for i, g in enumerate(grants):
-                head, body = _send(s, wire.Write(g), 10 + i, b"x" * g.length)
+            assert len(body.receipts) == len(ps)
+            assert len(set(body.receipts)) == len(ps)
+            for i, p in enumerate(ps):
+                g = p.grant
+                head, body = _send(s, _write(placed, p), 10 + i, b"x" * g.length)
                 assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED
-                head, body = _send(s, wire.Seal([g]), 20 + i)
+                head, body = _send(s, _seal(placed, [p]), 20 + i)
                 assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED
     rawwire.call(deployment.meta.port, wire.PutAbort(placed.put_id))  # type: ignore[union-attr]
 
@@ -88,20 +107,17 @@ def test_write_then_seal_refused_and_a_refused_seal_consumes_nothing(
 ) -> None:
     placed = _placed(deployment, ns, seed=3)
     p0, p1 = placed.placements
-    if p0.server != p1.server:  # both on one server is the interesting case; else separately
-        grants_used, fresh = [p0.grant], None
-    else:
-        grants_used, fresh = [p0.grant], p1.grant
+    fresh = None if p0.server != p1.server else p1  # both on one server: the interesting case
     port = placed.servers[p0.server].port
     with rawwire.connect(port) as s:
-        head, _ = _send(s, wire.Write(p0.grant), 1, b"w" * p0.grant.length)
+        head, _ = _send(s, _write(placed, p0), 1, b"w" * p0.grant.length)
         assert head.msg_type == wire.T_OK
-        head, body = _send(s, wire.Seal(grants_used), 2)
+        head, body = _send(s, _seal(placed, [p0]), 2)
         assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED
         if fresh is not None:
-            head, body = _send(s, wire.Seal([fresh, p0.grant]), 3)
+            head, body = _send(s, _seal(placed, [fresh, p0]), 3)
             assert head.msg_type == wire.T_ERROR
-            head, body = _send(s, wire.Seal([fresh]), 4)  # not consumed by the refusal
+            head, body = _send(s, _seal(placed, [fresh]), 4)  # not consumed by the refusal
             assert head.msg_type == wire.T_SEALED and len(body.receipts) == 1
     rawwire.call(deployment.meta.port, wire.PutAbort(placed.put_id))  # type: ignore[union-attr]
 
@@ -155,3 +171,45 @@ def test_shared_memory_writes_count_at_the_server(deployment: LocalDeployment) -
         while writes() < before + res.stored and time.monotonic() < deadline:
             time.sleep(0.1)
         assert writes() >= before + res.stored
+
+
+def _persisted(port: int) -> float:
+    head, body, _ = rawwire.call(port, wire.ServerStats())
+    assert head.msg_type == wire.T_SERVER_STATS_REPLY, body
+    return float(body.values["records_persisted"])
+
+
+def test_a_write_grant_writes_only_the_object_it_was_minted_for(
+    deployment: LocalDeployment, ns: Namespace
+) -> None:
+    """A grant presented with another object's record (key, parent, position,
+    group, namespace), or with none, is refused on WRITE and SEAL: nothing is
+    written, consumed or recorded; with its own record it then writes once."""
+    placed = _placed(deployment, ns, seed=5)
+    p = placed.placements[0]
+    port = placed.servers[p.server].port
+    own = _obj(placed, p)
+    _, ks = KEYS[placed.put_id]
+    forged = [
+        wire.ObjectInfo(own.namespace, bytes(16), own.parent, own.pos, own.group, own.sums),
+        wire.ObjectInfo(own.namespace, ks[1 - p.block], own.parent, own.pos, own.group, own.sums),
+        wire.ObjectInfo(own.namespace, own.key, own.parent, own.pos + 1, own.group, own.sums),
+        wire.ObjectInfo(own.namespace, own.key, own.parent, own.pos, own.group + 1, own.sums),
+        wire.ObjectInfo(bytes(16), own.key, own.parent, own.pos, own.group, own.sums),
+        wire.ObjectInfo(own.namespace, own.key, b"\x01" * 16, own.pos, own.group, own.sums),
+    ]
+    before = _persisted(port)
+    g = p.grant
+    with rawwire.connect(port) as s:
+        for i, bad in enumerate(forged):
+            head, body = _send(s, wire.Write(g, bad), 10 + i, b"f" * g.length)
+            assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED, body
+            head, body = _send(s, wire.Seal([g], [bad]), 30 + i)
+            assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED, body
+        head, body = _send(s, wire.Write(g), 50, b"f" * g.length)  # no record at all
+        assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED, body
+        assert _persisted(port) == before
+        head, body = _send(s, wire.Write(g, own), 51, b"o" * g.length)
+        assert head.msg_type == wire.T_OK, body
+    assert _persisted(port) == before + 1
+    rawwire.call(deployment.meta.port, wire.PutAbort(placed.put_id))  # type: ignore[union-attr]

@@ -69,7 +69,18 @@ def begin(conn: Conn, ns: Namespace, seed: int, nblk: int = 2) -> wire.PutPlaced
     t, placed = conn.call(wire.PutBegin(ns.fingerprint, ks, ns.layout.groups_to_store(nblk)))
     assert t == wire.T_PUT_PLACED and placed.placements, placed
     assert isinstance(placed, wire.PutPlaced)
+    KEYS[placed.put_id] = (ns, ks)
     return placed
+
+
+# Prompt keys of each put begun here, for the records its grants are bound to.
+KEYS: dict[int, tuple[Namespace, list[bytes]]] = {}
+
+
+def bound_write(placed: wire.PutPlaced, p: wire.Placement) -> wire.Write:
+    """A WRITE of placement ``p`` with the record its grant is bound to."""
+    ns, ks = KEYS[placed.put_id]
+    return wire.Write(p.grant, rawwire.obj(ns.fingerprint, ns.layout, ks, p))
 
 
 def write_all(placed: wire.PutPlaced, fill: bytes) -> list[int]:
@@ -77,7 +88,7 @@ def write_all(placed: wire.PutPlaced, fill: bytes) -> list[int]:
     receipts = []
     for p in placed.placements:
         head, body, _ = rawwire.call(
-            placed.servers[p.server].port, wire.Write(p.grant), fill * p.grant.length
+            placed.servers[p.server].port, bound_write(placed, p), fill * p.grant.length
         )
         assert head.msg_type == wire.T_OK, body
         receipts.append(body.value)
@@ -164,13 +175,13 @@ def test_stale_write_grant_cannot_change_a_committed_object(
         # they only cover quarantined ranges.
         for p in pa.placements:
             head, _, _ = rawwire.call(
-                pa.servers[p.server].port, wire.Write(p.grant), b"\xaa" * p.grant.length
+                pa.servers[p.server].port, bound_write(pa, p), b"\xaa" * p.grant.length
             )
             assert head.msg_type == wire.T_OK
         # B's own grants were consumed by its writes: a replay is refused.
         p = pb.placements[0]
         head, body, _ = rawwire.call(
-            pb.servers[p.server].port, wire.Write(p.grant), b"\xcc" * p.grant.length
+            pb.servers[p.server].port, bound_write(pb, p), b"\xcc" * p.grant.length
         )
         assert head.msg_type == wire.T_ERROR and body.code == E_ACCESS_DENIED
         # B's committed object reads back byte-identical.

@@ -374,11 +374,24 @@ def test_grants_carry_the_epoch_and_the_tier() -> None:
     placed = put(core, fp, toks(1), 0.0)
     g = placed.placements[0].grant
     assert g.epoch == 1_700_000_000_123 and g.tier == 0
+    p = placed.placements[0]
+    k = keys.block_keys(fp, toks(1), 4)
+    parent = k[p.block - 1] if p.block else b""
+    lb = core.namespaces[fp].layout.group_layer_bytes[p.group]
+    bind = capability.bind_digest(fp, k[p.block], parent, p.block, p.group, lb)
     assert capability.check(
-        bytes(16), capability.KIND_WRITE, g.offset, g.length, g.expiry_ms, g.tag, 0, g.epoch
+        bytes(16), capability.KIND_WRITE, g.offset, g.length, g.expiry_ms, g.tag, 0, g.epoch, bind
     )
     assert not capability.check(
-        bytes(16), capability.KIND_WRITE, g.offset, g.length, g.expiry_ms, g.tag, 0, 0
+        bytes(16), capability.KIND_WRITE, g.offset, g.length, g.expiry_ms, g.tag, 0, 0, bind
+    )
+    # Bound to its object: without the record, or with another one, it fails.
+    assert not capability.check(
+        bytes(16), capability.KIND_WRITE, g.offset, g.length, g.expiry_ms, g.tag, 0, g.epoch
+    )
+    other = capability.bind_digest(fp, k[p.block], parent, p.block, p.group + 1, lb)
+    assert not capability.check(
+        bytes(16), capability.KIND_WRITE, g.offset, g.length, g.expiry_ms, g.tag, 0, g.epoch, other
     )
     res = lookup(core, fp, toks(1), lease=True)
     r = res.objects[0].grant

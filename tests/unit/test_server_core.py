@@ -387,6 +387,8 @@ def test_refusal_counters(core: DataPlaneCore) -> None:
         "old_epoch_refused": 0,
         "epoch": 0,
         "used_grants": 1,
+        "records_persisted": 0,
+        "record_failures": 0,
     }
 
 
