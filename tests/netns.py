@@ -47,6 +47,14 @@ from typing import IO, Any
 import pytest
 
 TOOLS = ("ip", "unshare", "nsenter", "mount")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> None:
+    """Daemons and clients started on the hosts import this tree's code."""
+    paths = [str(ROOT), str(ROOT / "client")]
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
 
 
 class FabricError(RuntimeError):
@@ -312,3 +320,10 @@ class JsonProc:
             if line.startswith("{"):
                 out: dict[str, Any] = json.loads(line)
                 return out
+
+
+def call(client: JsonProc, **cmd: Any) -> dict[str, Any]:
+    """One command; the test fails when the client raised."""
+    out = client.call(cmd)
+    assert "error" not in out, f"the client on {client.host.name} raised: {out['error']}"
+    return out

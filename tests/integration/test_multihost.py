@@ -14,7 +14,6 @@ host D (no server), each a long-lived real client (tests/netns_client.py).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -24,21 +23,13 @@ from typing import Any
 
 import pytest
 
-from tests.netns import Fabric, Host, JsonProc, fabric_or_skip, wait_file
+from tests.netns import Fabric, Host, JsonProc, call, child_env, fabric_or_skip, wait_file
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 1.0  # the clients' per-operation timeout
 HEARTBEAT_TIMEOUT_S = 2.0  # the meta drops a server silent this long
 HEARTBEAT_INTERVAL_S = 0.25
 TOKENS = 8  # two blocks of 4 tokens per prompt
 PROMPTS = list(range(1, 25))
-
-
-def child_env() -> None:
-    """Daemons and clients started on the hosts import this tree's code."""
-    paths = [str(ROOT), str(ROOT / "client")]
-    old = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
 
 
 @dataclass
@@ -106,12 +97,6 @@ def clients(cluster: Cluster) -> Iterator[tuple[JsonProc, JsonProc]]:
     """A client on host B (a server's host) and one on host D (no server), kept
     alive across the link changes (stopped with the fabric)."""
     yield cluster.client(cluster.b, "clientB"), cluster.client(cluster.d, "clientD")
-
-
-def call(client: JsonProc, **cmd: Any) -> dict[str, Any]:
-    out = client.call(cmd)
-    assert "error" not in out, f"the client on {client.host.name} raised: {out['error']}"
-    return out
 
 
 def sb_prefix(blocks: list[list[str]]) -> int:
