@@ -21,6 +21,7 @@ import grpc
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import sync_channel
+from gcache.cli.ha import HA_METAS, Etcd
 from gcache.config import ClientConfig
 from gcache.errors import GCacheError
 from gcache.startup import one_line
@@ -81,6 +82,7 @@ class LocalDeployment:
         tls_ca: str = "",
         nvme_size: str = "0",
         keep_segments: bool = False,
+        ha: bool = False,
     ) -> None:
         """``nvme_size``: each server's NVMe tier, in ``data_dir/serverN-nvme`` ("0":
         none). ``keep_segments``: leave the servers' segment files (and manifests) in
@@ -112,6 +114,11 @@ class LocalDeployment:
         # Set (to the signal number) by a SIGINT/SIGTERM handler: start-up's waits
         # raise DeploymentInterrupted at their next check instead of going on.
         self.interrupted = 0
+        # ha: an etcd (gcache/cli/ha.py) and two metas, "meta" and "meta1", elected
+        # through it; servers and clients are given its etcd:// address.
+        self.ha = ha
+        self.etcd: Etcd | None = None
+        self.metas: dict[str, Proc] = {}
 
     # ---- start/stop ----------------------------------------------------------------
 
@@ -161,7 +168,12 @@ class LocalDeployment:
             ) from exc
         deadline = time.monotonic() + timeout
         try:
-            self._start_meta(deadline)
+            if self.ha:
+                self.etcd = Etcd.start(self.data_dir / "etcd", self.host)
+                for name in HA_METAS:
+                    self._start_meta(deadline, name)
+            else:
+                self._start_meta(deadline)
             for i in range(self.n_servers):
                 self.start_server(i, deadline)
             self.wait_servers(self.n_servers, deadline - time.monotonic())
@@ -171,44 +183,57 @@ class LocalDeployment:
         self._started = True
         return self
 
-    def _start_meta(self, deadline: float) -> None:
-        proc = self._spawn_meta()
+    def _start_meta(self, deadline: float, name: str = "meta") -> None:
+        proc = self._spawn_meta(name)
         self._meta_ready(proc, self._wait_ready(proc, proc.extra["ready_file"], deadline))
 
-    def _spawn_meta(self) -> Proc:
+    def _spawn_meta(self, name: str = "meta") -> Proc:
         """Start the meta (on the ports of the one before, once it had some) and
-        return at once; :meth:`_meta_ready` records its ports."""
-        ready = self.data_dir / "meta.ready"
+        return at once; :meth:`_meta_ready` records its ports. With ``ha``, ``name``
+        is one of the elected metas (``meta``, ``meta1``)."""
+        ports = (self.meta_port, self.grpc_port, self.metrics_port)
+        prev = self.metas.get(name)
+        if name != "meta":
+            ports = (0, 0, 0) if prev is None else (prev.port, *prev.extra["ports"][1:])
+        ready = self.data_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
-        self.meta = self._spawn(
-            "meta",
+        ha = ["--etcd", self.etcd.url, "--meta-id", name] if self.etcd is not None else []
+        proc = self._spawn(
+            name,
             "gcache.meta.daemon",
             [
                 "--host",
                 self.host,
                 "--port",
-                str(self.meta_port),
+                str(ports[0]),
                 "--grpc-port",
-                str(self.grpc_port),
+                str(ports[1]),
                 "--metrics-port",
-                str(self.metrics_port),
+                str(ports[2]),
                 "--ready-file",
                 str(ready),
+                *ha,
                 *self.meta_args,
             ],
         )
-        self.meta.extra["ready_file"] = ready
-        self.respawn.setdefault("meta", Respawn(self._spawn_meta, self._poll(self._meta_ready)))
-        return self.meta
+        proc.extra["ready_file"] = ready
+        self.metas[name] = proc
+        if name == "meta":
+            self.meta = proc
+        self.respawn.setdefault(
+            name, Respawn(partial(self._spawn_meta, name), self._poll(self._meta_ready))
+        )
+        return proc
 
     def _meta_ready(self, proc: Proc, fields: list[str]) -> None:
         _, port, grpc_port, metrics_port = fields
         proc.port = int(port)
         proc.extra["grpc_port"] = int(grpc_port)
         proc.extra["metrics_port"] = int(metrics_port)
-        # A restart binds the same ports (servers and clients know these).
-        self.meta_port, self.grpc_port = proc.port, int(grpc_port)
-        self.metrics_port = int(metrics_port)
+        proc.extra["ports"] = (int(port), int(grpc_port), int(metrics_port))
+        if proc is self.meta:  # a restart binds the same ports (servers, clients know them)
+            self.meta_port, self.grpc_port = proc.port, int(grpc_port)
+            self.metrics_port = int(metrics_port)
 
     def _poll(self, on_ready: Callable[[Proc, list[str]], None]) -> Callable[[Proc], bool]:
         """A ``Respawn.ready`` for a process that writes a ready file."""
@@ -366,6 +391,8 @@ class LocalDeployment:
             codes.setdefault(p.name, code)  # the current process of each name comes first
         for p in procs:  # whatever a daemon forked into its group dies with it
             signal_group(p, signal.SIGKILL)
+        if self.etcd is not None:  # last: the metas gave their leases back
+            self.etcd.stop()
         for fh in self._logs:
             fh.close()
         self._logs.clear()
@@ -399,25 +426,70 @@ class LocalDeployment:
 
     @property
     def meta_addr(self) -> str:
+        """The meta's hot path (with ``ha``: the etcd:// address)."""
+        if self.etcd is not None:
+            return self.etcd.url
         assert self.meta is not None
         return f"{self.host}:{self.meta.port}"
 
     @property
     def meta_grpc(self) -> str:
+        """The meta's gRPC address (with ``ha``: the etcd:// address)."""
+        if self.etcd is not None:
+            return self.etcd.url
         assert self.meta is not None
         return f"{self.host}:{self.meta.extra['grpc_port']}"
 
     @property
     def metrics_url(self) -> str:
-        assert self.meta is not None
-        return f"http://{self.host}:{self.meta.extra['metrics_port']}/metrics"
+        meta = self.leader() if self.etcd is not None else self.meta
+        assert meta is not None
+        return f"http://{self.host}:{meta.extra['metrics_port']}/metrics"
 
     def client_config(self, **kw: Any) -> ClientConfig:
         kw.setdefault("tls_ca", self.tls_ca)
         return ClientConfig(meta=self.meta_addr, meta_grpc=self.meta_grpc, **kw)
 
     def stats(self) -> Any:
+        if self.etcd is not None:
+            return fetch_stats(self.grpc_of(self.leader()), tls_ca=self.tls_ca)
         return fetch_stats(self.meta_grpc, tls_ca=self.tls_ca)
+
+    # ---- ha: the elected metas -------------------------------------------------------
+
+    def grpc_of(self, meta: Proc) -> str:
+        return f"{self.host}:{meta.extra['grpc_port']}"
+
+    def hot_of(self, meta: Proc) -> str:
+        return f"{self.host}:{meta.port}"
+
+    def role_of(self, meta: Proc, timeout: float = 0.5) -> str:
+        """``leader``, ``standby``, ``stepping-down`` ("" a single meta; "down")."""
+        if not meta.alive or not meta.port:
+            return "down"
+        try:
+            return str(fetch_stats(self.grpc_of(meta), timeout, self.tls_ca).role)
+        except GCacheError:
+            return "down"
+
+    def leader(self, timeout: float = 10.0, exclude: Proc | None = None) -> Proc:
+        """The meta that says it leads (waits up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in self.metas.values():
+                if p is not exclude and self.role_of(p) == "leader":
+                    return p
+            if time.monotonic() > deadline:
+                raise GCacheError(f"no meta leads within {timeout} s")
+            time.sleep(0.05)
+
+    def signal_leader(self, sig: int) -> Proc:
+        """Send ``sig`` (SIGKILL, SIGSTOP, ...) to the leader; returns it."""
+        lead = self.leader()
+        signal_group(lead, sig)
+        if sig == signal.SIGKILL:
+            lead.popen.wait(10)
+        return lead
 
 
 def signal_group(p: Proc, sig: int) -> None:

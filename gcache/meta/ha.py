@@ -85,6 +85,7 @@ class EtcdElection:
                 tx.put(self.target.leader_key, rec.encode(), lease),
                 tx.put(self.target.epoch_key, str(epoch).encode()),
             ],
+            failure=[],
         )
         self.campaigns += 1
         if not ok:
@@ -131,7 +132,7 @@ class EtcdElection:
                 if el.degraded and not was:
                     log.warning("etcd unreachable (%s); the leader serves on", exc)
                 elif self.failures % 20 == 1:
-                    log.warning("etcd unreachable: %s", exc)
+                    log.warning("etcd unreachable: %r", exc)
                 await self._drop_client()
                 wait = el.ttl_s / 6
             if not el.stepping_down():
