@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -155,6 +156,7 @@ class Fabric:
             raise FabricError(f"missing tools: {', '.join(missing)}")
         if os.geteuid() != 0:
             raise FabricError("network namespaces need root")
+        sweep_dead_runs()
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             self._bridge_made = True
@@ -240,6 +242,22 @@ class Fabric:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_NAME = re.compile(r"^gc(\d+)[hbvp]\d*(?:@\S+)?$")
+
+
+def sweep_dead_runs() -> None:
+    """Remove the namespaces, veths and bridges of runs whose process is gone (a
+    run killed before its cleanup); those of live runs are left alone."""
+    names = [ln.split()[0] for ln in _run("ip", "netns", "list").splitlines() if ln.strip()]
+    links = [ln.split(":")[1].strip() for ln in _run("ip", "-o", "link").splitlines()]
+    for name in names + links:
+        m = _NAME.match(name)
+        if m is None or Path(f"/proc/{m.group(1)}").exists():
+            continue
+        kind = ["netns", "del"] if name in names else ["link", "del"]
+        subprocess.run(["ip", *kind, name.split("@")[0]], capture_output=True, check=False)
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
