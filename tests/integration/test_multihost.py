@@ -149,9 +149,9 @@ def delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in now.items()}
 
 
-# A flat layout (one object per block) places a prompt's blocks round-robin over
-# the servers: one-block prompts lie wholly on sB or wholly on sC, three-block
-# prompts on both (their readable prefix without sC is 0 or 1 block).
+# A flat layout (one object per block): the meta spreads a prompt's blocks over the
+# servers, so one-block prompts lie wholly on sB or wholly on sC and three-block
+# prompts mostly on both (their readable prefix without sC: 0, 1 or 2 blocks).
 SETS: tuple[dict[str, Any], ...] = (
     {"model": "flat-cut", "prompts": PROMPTS, "tokens": 4},
     {"model": "flat-cut", "prompts": list(range(201, 213)), "tokens": 12},
@@ -182,11 +182,10 @@ def test_cut_off_server_host_is_a_bounded_miss_and_serves_again(
     only_b = {r["seed"] for r in g0 if keep[r["seed"]] == r["full"]}
     with_c = {r["seed"] for r in g0 if keep[r["seed"]] < r["full"]}
     assert only_b and with_c, f"placement put no prompt wholly on sB or none on sC: {keep}"
-    assert {keep[s] for s in with_c if s > 200} == {0, 4}, keep  # prefixes of both kinds
     # A server learns that it holds a committed object from the adopt record in its
     # next heartbeat reply; a server cut off before that loses the object when the
     # meta drops it (it cannot report it back). Let a few heartbeats pass first.
-    time.sleep(4 * HEARTBEAT_INTERVAL_S)
+    time.sleep(6 * HEARTBEAT_INTERVAL_S)
 
     cluster.c.link_down()
     t_cut = time.monotonic()
@@ -219,10 +218,15 @@ def test_cut_off_server_host_is_a_bounded_miss_and_serves_again(
 
         # Once the meta dropped sC (heartbeat timeout), a lookup gives exactly the
         # prefix held on sB, at once (no read waits on sC any more).
-        time.sleep(max(0.0, t_cut + HEARTBEAT_TIMEOUT_S + 1.0 - time.monotonic()))
-        for r in get_all(cd):
-            assert r["tokens"] == keep[r["seed"]], r
-            assert r["ms"] < TIMEOUT_S * 1000, r
+        time.sleep(max(0.0, t_cut + HEARTBEAT_TIMEOUT_S - time.monotonic()))
+        deadline = t_cut + HEARTBEAT_TIMEOUT_S + 5.0
+        while True:
+            g2 = get_all(cd)
+            if all(r["tokens"] == keep[r["seed"]] for r in g2):
+                break
+            assert time.monotonic() < deadline, f"sC's objects still listed: {g2}"
+            time.sleep(0.25)
+        assert all(r["ms"] < TIMEOUT_S * 1000 for r in g2), g2
         cut_s = time.monotonic() - t_cut
     finally:
         cluster.c.link_up()
