@@ -17,6 +17,11 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(XXHASH_H):
 	$(SUDO) apt-get install -y -q libxxhash-dev || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libxxhash-dev; }
 
+# etcd for meta high availability (tests/integration/test_meta_ha.py, gcache up --ha).
+ETCD_BIN ?= /usr/bin/etcd
+$(ETCD_BIN):
+	$(SUDO) apt-get install -y -q etcd-server || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server; }
+
 # Editable install with the test extras (torch CPU wheel, pytest, hypothesis, ruff, mypy);
 # compiles gcache/_native/_dataplane.c with the system C compiler (setup.py).
 $(STAMP): pyproject.toml setup.py gcache/_native/_dataplane.c | $(VENV)/bin/python $(XXHASH_H)
@@ -73,7 +78,7 @@ ARGS ?=
 run: $(STAMP)
 	$(VENV)/bin/gcache up --demo $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) lint typecheck
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(ETCD_BIN) lint typecheck
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import signal
 import sys
@@ -15,6 +16,7 @@ from gcache.cli.deploy import DeploymentInterrupted, LocalDeployment, fetch_stat
 from gcache.cli.supervise import GIVEN_UP, Driver, Policy, read_state, state_lines
 from gcache.config import ClientConfig, MetaConfig, ServerConfig, load
 from gcache.errors import ConfigError, GCacheError
+from gcache.leader import MetaFinder, is_etcd
 from gcache.startup import EXIT_INTERRUPTED, OneLineParser, one_line, run_command
 
 
@@ -77,6 +79,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         server_ports=ports,
         log_level=args.log_level,
         nvme_size=args.nvme_size,
+        ha=args.ha,
     )
     policy = Policy(
         initial_backoff_s=args.restart_backoff_s,
@@ -245,6 +248,8 @@ def print_status(reply: Any) -> None:
     talk to a server, so reads are also shown as the meta counts them: objects and
     bytes handed out by leased lookups, whichever path then read them. Sizes in
     binary units (KiB, MiB, GiB)."""
+    if reply.role:  # one of several metas (--etcd)
+        print(f"meta: {reply.role}, epoch {reply.epoch}, leader {reply.leader or 'unknown'}")
     print(
         f"{'server':<12} {'address':<22} {'alive':<6} {'capacity':>11} {'used':>11} "
         f"{'objects':>8} {'tcp reads':>10} {'tcp read':>11} {'writes':>8} {'written':>11}"
@@ -290,13 +295,23 @@ def print_status(reply: Any) -> None:
         )
 
 
+def resolve_grpc(meta_grpc: str) -> str:
+    """An etcd:// address -> the leader's gRPC address (one line when none)."""
+    if not is_etcd(meta_grpc):
+        return meta_grpc.split(",")[0]
+    found = asyncio.run(MetaFinder(meta_grpc).find(2.0))
+    if found is None:
+        raise GCacheError(f"no meta leader in {meta_grpc} (or etcd unreachable)")
+    return found[1]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     state = None if args.json else read_state(args.data_dir)
     if state is not None:  # a gcache up runs there: its processes first (even with no meta)
         for line in state_lines(state):
             print(line)
         print(flush=True)
-    reply = fetch_stats(args.meta_grpc)
+    reply = fetch_stats(resolve_grpc(args.meta_grpc))
     if args.json:
         from google.protobuf.json_format import MessageToDict
 
@@ -338,6 +353,12 @@ def main(argv: list[str] | None = None) -> None:
         "tiers in --data-dir stay.",
     )
     up.add_argument("--servers", type=int, default=2, help="storage daemons (default 2)")
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="high availability: a local etcd (/usr/bin/etcd, data under --data-dir) and "
+        "two metas elected through it; servers and clients follow the leader",
+    )
     up.add_argument(
         "--capacity",
         default="1GiB",

@@ -57,7 +57,9 @@ def _store(client: GCacheClient, ns: object, n: int, seed0: int = 0) -> list[np.
     return prompts
 
 
-def _check_bytes(client: GCacheClient, ns: object, prompts: list[np.ndarray], seed0: int = 0) -> int:
+def _check_bytes(
+    client: GCacheClient, ns: object, prompts: list[np.ndarray], seed0: int = 0
+) -> int:
     """Prompts that hit whole with the right bytes; a wrong byte fails the test."""
     good = 0
     for s, toks in enumerate(prompts):
