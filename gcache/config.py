@@ -21,6 +21,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from gcache.errors import ConfigError
+from gcache.leader import check_meta, parse_etcd
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)(b?)|(b))?\s*$", re.IGNORECASE)
 _PREFIXES = "kmgtp"
@@ -102,6 +103,14 @@ def _check_fields(cfg: Any) -> None:
             raise ConfigError(f"{where} must be a fraction in (0, 1], got {value!r}")
 
 
+def _check_advertise(section: str, host: str, advertise: str) -> None:
+    if host in ("0.0.0.0", "::", "") and not advertise:
+        raise ConfigError(
+            f"{section}.host is {host or 'empty'} (every address): set {section}.advertise_host "
+            "(--advertise-host) to the address others reach it at"
+        )
+
+
 def _check_hostport(where: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -142,6 +151,23 @@ class MetaConfig:
     grpc_port: int = _doc("control-plane gRPC port; 0 picks a free one", default=7701)
     heartbeat_timeout_s: float = _doc("drop a server silent for this long", default=5.0)
     lease_ttl_s: float = _doc("read lease lifetime granted by Lookup", default=10.0)
+    # -- high availability (gcache/meta/election.py, ha.py; docs/operations.md) --
+    etcd: str = _doc(
+        "etcd://HOST:PORT[,HOST:PORT]/PREFIX: run as one of several metas, the leader "
+        "elected through etcd (empty: a single meta, no etcd)",
+        default="",
+    )
+    meta_id: str = _doc("this meta's name in the election; default hostname:port", default="")
+    advertise_host: str = _doc(
+        "address others reach this meta at (leader record, redirects); default: host "
+        "(required when host is 0.0.0.0)",
+        default="",
+    )
+    etcd_lease_ttl_s: float = _doc(
+        "TTL of the leader's etcd lease (at most 2 s; a standby takes over within about "
+        "this long after the leader dies)",
+        default=2.0,
+    )
     put_timeout_s: float = _doc("reclaim a begun, uncommitted put after this", default=30.0)
     high_watermark: float = _doc("start evicting above this fraction used", default=0.90)
     low_watermark: float = _doc("evict down to this fraction used", default=0.80)
@@ -288,6 +314,13 @@ class MetaConfig:
     def check(self) -> None:
         _check_fields(self)
         _check_connections(self)
+        if self.etcd:
+            parse_etcd("meta.etcd, --etcd", self.etcd)
+            if not 1.0 <= self.etcd_lease_ttl_s <= 2.0:
+                raise ConfigError(
+                    f"meta.etcd_lease_ttl_s must be between 1 and 2 s, got {self.etcd_lease_ttl_s}"
+                )
+        _check_advertise("meta", self.host, self.advertise_host)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key go together")
         if not 0 < self.nvme_low_watermark < self.nvme_high_watermark <= 1:
@@ -350,7 +383,16 @@ class ServerConfig:
     server_id: str = _doc("unique name; default host:port", default="")
     host: str = _doc("address the data plane listens on", default="127.0.0.1")
     port: int = _doc("data-plane port; 0 picks a free one", default=7800)
-    meta: str = _doc("meta gRPC address host:port", default="127.0.0.1:7701")
+    meta: str = _doc(
+        "meta gRPC address host:port, several as H:P,H:P (followed to the leader), or "
+        "etcd://HOST:PORT/PREFIX (the leader found in etcd)",
+        default="127.0.0.1:7701",
+    )
+    advertise_host: str = _doc(
+        "address clients reach this server at (registered with the meta); default: "
+        "host (required when host is 0.0.0.0)",
+        default="",
+    )
     capacity: str = _doc("DRAM segment size (e.g. 1GiB)", default="1GiB")
     shm_dir: str = _doc("directory of the shared-memory segment file", default="/dev/shm")
     heartbeat_interval_s: float = _doc("heartbeat period", default=1.0)
@@ -432,7 +474,8 @@ class ServerConfig:
             raise ConfigError(f"server.capacity: {exc}") from exc
         if capacity < 1 << 20:
             raise ConfigError(f"server.capacity must be at least 1MiB, got {self.capacity!r}")
-        _check_hostport("server.meta", self.meta)
+        check_meta("server.meta, --meta", self.meta)
+        _check_advertise("server", self.host, self.advertise_host)
         try:
             nvme = self.nvme_size_bytes
         except ConfigError as exc:
@@ -457,8 +500,15 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    meta: str = _doc("meta hot-path address host:port", default="127.0.0.1:7700")
-    meta_grpc: str = _doc("meta gRPC address host:port", default="127.0.0.1:7701")
+    meta: str = _doc(
+        "meta hot-path address host:port, several as H:P,H:P (the leader is followed), "
+        "or etcd://HOST:PORT/PREFIX (the leader found in etcd; meta_grpc unused)",
+        default="127.0.0.1:7700",
+    )
+    meta_grpc: str = _doc(
+        "meta gRPC address host:port, several as H:P,H:P in the order of meta",
+        default="127.0.0.1:7701",
+    )
     timeout_s: float = _doc("per-operation timeout; a timeout is a miss", default=5.0)
     layers_in_flight: int = _doc("get_layers: layer reads kept in flight", default=8)
     layer_bytes_in_flight: int = _doc(
@@ -519,8 +569,13 @@ class ClientConfig:
             )
         if self.transport not in ("auto", "tcp", "shm"):
             raise ConfigError(f"client.transport must be auto, tcp or shm, got {self.transport!r}")
-        _check_hostport("client.meta", self.meta)
-        _check_hostport("client.meta_grpc", self.meta_grpc)
+        check_meta("client.meta", self.meta)
+        if not self.meta.startswith("etcd://"):
+            check_meta("client.meta_grpc", self.meta_grpc)
+            if len(self.meta.split(",")) != len(self.meta_grpc.split(",")):
+                raise ConfigError(
+                    "client.meta and client.meta_grpc must list the same number of metas"
+                )
         if self.token and self.token_file:
             raise ConfigError("set either token or token_file, not both")
 

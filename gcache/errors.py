@@ -92,6 +92,11 @@ class NoInstance(RemoteError):
     """The router has no live engine instance to route to."""
 
 
+class NotLeader(RemoteError):
+    """This meta is a standby (or a leader that cannot confirm its lease): the
+    message names the leader (``gcache.leader.parse_redirect``)."""
+
+
 class ConnectionLost(GCacheError):
     """The peer closed or reset the connection, or it timed out."""
 
@@ -119,6 +124,7 @@ E_UNKNOWN_PUT = 6
 E_UNKNOWN_SERVER = 7
 E_BUSY = 8  # connection refused at a connection limit (sent with request id 0)
 E_NO_INSTANCE = 9  # gcache-router: no live engine instance to route to
+E_NOT_LEADER = 10  # a standby meta: "not the leader; leader hot=H:P grpc=H:P"
 E_INTERNAL = 99
 
 _BY_CODE: dict[int, type[RemoteError]] = {
@@ -128,6 +134,7 @@ _BY_CODE: dict[int, type[RemoteError]] = {
     E_OUT_OF_RANGE: AccessDenied,
     E_BUSY: Busy,
     E_NO_INSTANCE: NoInstance,
+    E_NOT_LEADER: NotLeader,
 }
 
 

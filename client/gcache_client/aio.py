@@ -14,8 +14,10 @@ The parts: :mod:`.pool` (connections, shared-memory mappings, copy threads),
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -31,9 +33,11 @@ from gcache.compute import UNIT_COMPUTE, ModelCompute, compute_for_layout
 from gcache.config import ClientConfig
 from gcache.errors import (
     ClosedError,
+    ConnectionLost,
     GCacheError,
     IntegrityError,
     LayoutError,
+    NotLeader,
     RemoteError,
     UnknownNamespace,
 )
@@ -112,15 +116,57 @@ class AsyncGCacheClient:
             raise ClosedError("client closed")
 
     async def _meta_call(self, msg: wire.Msg) -> Any:
+        """One hot-path call. With several metas, a refusal by a standby or a dead
+        connection finds the leader and retries once, within ``timeout_s`` in all."""
         self._check_open()
-        conn = await self.pool.meta()
-        return await conn.call(msg, timeout=self.config.timeout_s)
+        timeout = self.config.timeout_s
+        if not self.pool.finder.several:
+            conn = await self.pool.meta()
+            return await conn.call(msg, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            conn = await self.pool.meta()
+            return await conn.call(msg, timeout=timeout)
+        except (NotLeader, ConnectionLost) as exc:
+            left = deadline - time.monotonic()
+            await self.pool.meta_failed(exc.message if isinstance(exc, NotLeader) else "")
+            if left <= 0.05:
+                raise
+            log.info("meta did not serve (%s); trying the leader", exc)
+            try:
+                conn = await asyncio.wait_for(self.pool.meta(), left)
+            except TimeoutError as late:
+                raise ConnectionLost(f"no meta leader answered within {timeout}s") from late
+            return await conn.call(msg, timeout=max(deadline - time.monotonic(), 0.05))
 
     async def _server(self, addr: wire.ServerAddr) -> PipelinedConn:
         return await self.pool.server(addr)
 
-    def _control(self) -> Any:
-        return self.pool.control()
+    async def _control(self) -> Any:
+        return await self.pool.control_stub()
+
+    async def _grpc_call(self, method: str, req: Any) -> Any:
+        """A control call; with several metas a standby's FAILED_PRECONDITION or an
+        unreachable meta finds the leader and retries once."""
+        try:
+            stub = await self._control()
+            return await getattr(stub, method)(req, timeout=self.config.timeout_s)
+        except (grpc.aio.AioRpcError, ConnectionLost) as exc:
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+            if not self.pool.finder.several or code not in (
+                None,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                raise
+            refusal = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else ""
+            await self.pool.meta_failed(refusal or "")
+            try:
+                stub = await self._control()
+            except ConnectionLost as lost:
+                raise GCacheError(f"{method} failed: {lost}") from lost
+            return await getattr(stub, method)(req, timeout=self.config.timeout_s)
 
     # ---- namespaces ----------------------------------------------------------------
 
@@ -158,9 +204,8 @@ class AsyncGCacheClient:
         return Namespace(fp, model, laymod.Layout(spec), req)
 
     async def _register(self, req: Any) -> bytes:
-        stub = self._control()
         try:
-            reply = await stub.RegisterNamespace(req, timeout=self.config.timeout_s)
+            reply = await self._grpc_call("RegisterNamespace", req)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise LayoutError(exc.details() or "invalid namespace") from exc
@@ -202,11 +247,9 @@ class AsyncGCacheClient:
         for g, tail in enumerate(layout.group_tail_blocks):
             if tail is not None or not windows_only:
                 mask |= 1 << g
-        stub = self._control()
         try:
-            reply = await stub.Evict(
-                pb.EvictRequest(namespace=ns.fingerprint, keys=block_keys, groups=mask),
-                timeout=self.config.timeout_s,
+            reply = await self._grpc_call(
+                "Evict", pb.EvictRequest(namespace=ns.fingerprint, keys=block_keys, groups=mask)
             )
         except grpc.aio.AioRpcError as exc:
             raise GCacheError(f"Evict failed: {exc.details()}") from exc

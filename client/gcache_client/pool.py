@@ -28,6 +28,7 @@ from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import aio_channel, load_client_token
 from gcache.config import ClientConfig
 from gcache.errors import ClosedError, ConnectionLost, GCacheError
+from gcache.leader import MetaFinder
 from gcache.transport import shm
 from gcache.transport.shm import MappedSegment
 from gcache_client.conn import PipelinedConn
@@ -79,6 +80,13 @@ class ConnectionPool:
         self._meta: PipelinedConn | None = None
         self._meta_lock = asyncio.Lock()
         self._channel: Any = None
+        # The meta (or the leader of several, or the one etcd names; gcache/leader.py)
+        # and the (hot, grpc) addresses in use.
+        self.finder = MetaFinder(
+            config.meta, "" if config.meta.startswith("etcd://") else config.meta_grpc
+        )
+        self._addr: tuple[str, str] | None = None
+        self.leader_changes = 0
         self._data: dict[tuple[str, str, int], PipelinedConn] = {}
         self._data_locks: dict[tuple[str, str, int], asyncio.Lock] = {}
         self._maps: dict[str, _Mapping] = {}
@@ -101,7 +109,8 @@ class ConnectionPool:
         async with self._meta_lock:
             self._check_open()
             if self._meta is None or self._meta.closed:
-                host, port = host_port(self.config.meta)
+                addr = await self._resolve()
+                host, port = host_port(addr[0])
                 conn = await PipelinedConn.open(host, port, self.config.timeout_s)
                 if self._token:  # authenticate before anyone else may use the connection
                     try:
@@ -112,13 +121,42 @@ class ConnectionPool:
                 self._meta = conn
             return self._meta
 
-    def control(self) -> Any:
+    async def _resolve(self) -> tuple[str, str]:
+        if self._addr is None:
+            found = await self.finder.find(min(self.config.timeout_s, 1.0))
+            if found is None:
+                raise ConnectionLost(f"no meta leader at {self.config.meta} now")
+            self._addr = found
+        return self._addr
+
+    async def control_stub(self) -> Any:
+        """The gRPC stub of the meta in use (the leader, when there are several)."""
         self._check_open()
         if self._channel is None:
-            self._channel = aio_channel(
-                self.config.meta_grpc, token=self._token, tls_ca=self.config.tls_ca
-            )
+            addr = await self._resolve()
+            self._channel = aio_channel(addr[1], token=self._token, tls_ca=self.config.tls_ca)
         return pb_grpc.ControlStub(self._channel)
+
+    def control(self) -> Any:
+        """The gRPC stub of the configured meta (the first of a list; not for etcd)."""
+        self._check_open()
+        if self._channel is None:
+            grpc_addr = self._addr[1] if self._addr else self.config.meta_grpc.split(",")[0]
+            self._channel = aio_channel(grpc_addr, token=self._token, tls_ca=self.config.tls_ca)
+        return pb_grpc.ControlStub(self._channel)
+
+    async def meta_failed(self, refusal: str = "") -> None:
+        """The meta in use did not serve (dead, paused, a standby): drop its
+        connections; the next call finds the leader (``refusal`` may name it)."""
+        self.leader_changes += 1
+        self._addr = None
+        self.finder.failed(refusal)
+        conn, self._meta = self._meta, None
+        if conn is not None:
+            conn.close()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
 
     # ---- data servers ------------------------------------------------------------------
 
@@ -234,6 +272,7 @@ class ConnectionPool:
             "data_connections": sum(1 for c in self._data.values() if not c.closed),
             "mapped_segments": sum(1 for m in self._maps.values() if m.seg is not None),
             "retired_mappings": self.retired_mappings,
+            "meta_leader_changes": self.leader_changes,
             "abandoned_replies": sum(c.abandoned for c in self._data.values())
             + (self._meta.abandoned if self._meta is not None else 0),
         }

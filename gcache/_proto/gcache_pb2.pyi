@@ -233,7 +233,7 @@ class Range(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme", "promote", "more")
+    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme", "promote", "more", "epoch")
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     ADOPT_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class HeartbeatReply(_message.Message):
     DROP_NVME_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     reregister: bool
     free: _containers.RepeatedCompositeFieldContainer[Range]
     adopt: _containers.RepeatedCompositeFieldContainer[StoredObject]
@@ -248,7 +249,8 @@ class HeartbeatReply(_message.Message):
     drop_nvme: _containers.RepeatedCompositeFieldContainer[Range]
     promote: _containers.RepeatedCompositeFieldContainer[PromoteCommand]
     more: bool
-    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype", "kv_identity")
@@ -305,7 +307,7 @@ class ServerStats(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class GetStatsReply(_message.Message):
-    __slots__ = ("servers", "counters", "namespaces")
+    __slots__ = ("servers", "counters", "namespaces", "role", "leader", "epoch")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -316,10 +318,16 @@ class GetStatsReply(_message.Message):
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerStats]
     counters: _containers.ScalarMap[str, float]
     namespaces: int
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., namespaces: _Optional[int] = ...) -> None: ...
+    role: str
+    leader: str
+    epoch: int
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., namespaces: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("namespace", "keys", "groups")

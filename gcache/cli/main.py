@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from gcache.auth import summary as auth_summary
-from gcache.cli.deploy import LocalDeployment, fetch_stats
+from gcache.cli.deploy import DeploymentInterrupted, LocalDeployment, fetch_stats
+from gcache.cli.supervise import GIVEN_UP, Driver, Policy, read_state, state_lines
 from gcache.config import ClientConfig, MetaConfig, ServerConfig, load
 from gcache.errors import ConfigError, GCacheError
 from gcache.startup import EXIT_INTERRUPTED, OneLineParser, one_line, run_command
@@ -77,26 +78,36 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         nvme_size=args.nvme_size,
     )
+    policy = Policy(
+        initial_backoff_s=args.restart_backoff_s,
+        max_backoff_s=max(args.restart_backoff_max_s, args.restart_backoff_s),
+        max_restarts=args.max_restarts,
+        window_s=args.restart_window_s,
+        start_timeout_s=args.timeout,
+    )
     stop = {"signal": 0}
-    serving = {"now": False}
+    in_demo = {"now": False}
 
     def on_signal(signum: int, _frame: Any) -> None:
-        stop["signal"] = signum
-        if not serving["now"]:  # starting or running the demo: stop right away
+        # Start-up (and restarts) check d.interrupted between steps and stop at once;
+        # only the demo, client code that may block, is interrupted by raising.
+        stop["signal"] = d.interrupted = signum
+        if in_demo["now"]:
             raise _Interrupted(signum)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         d.start(timeout=args.timeout)
+    except DeploymentInterrupted:
+        codes = _quiet_stop(d)
+        print(f"gcache up: interrupted while starting; stopped: {_codes(codes)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except GCacheError as exc:
         print(f"gcache up: {one_line(exc)}{_up_hint(str(exc))}", file=sys.stderr)
         _quiet_stop(d)
         return 1
-    except _Interrupted:
-        codes = _quiet_stop(d)
-        print(f"gcache up: interrupted while starting; stopped: {_codes(codes)}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    driver: Driver | None = None
     try:
         print("GCache is up:")
         print(f"  meta hot path   {d.meta_addr}")
@@ -118,31 +129,42 @@ def cmd_up(args: argparse.Namespace) -> int:
             + auth_summary(meta_cfg.cluster_token_file, meta_cfg.tenants_file, meta_cfg.tls_cert)
         )
         print(f"clients: GCacheClient(meta='{d.meta_addr}', meta_grpc='{d.meta_grpc}')")
-        print(f"status:  gcache status --meta-grpc {d.meta_grpc}", flush=True)
-        if args.demo:
+        data_dir = Path(args.data_dir).resolve()
+        print(f"status:  gcache status --meta-grpc {d.meta_grpc} --data-dir {data_dir}", flush=True)
+        if args.demo and not stop["signal"]:
+            in_demo["now"] = True
             run_workloads(
                 d.client_config(), args.demo_workload, args.demo_conversations, args.demo_turns
             )
+            in_demo["now"] = False
             print()
             print_status(d.stats())
-        print("\nserving; Ctrl-C to stop", flush=True)
-        serving["now"] = True
+
+        def say(line: str) -> None:
+            print(f"gcache up: {line}", file=sys.stderr, flush=True)
+
+        driver = Driver(d, say=say, policy=policy)
+        if not stop["signal"]:
+            print("\nserving; Ctrl-C to stop", flush=True)
+        metas = [n for n in d.respawn if n.startswith("meta")]
         while not stop["signal"]:
-            for p in [d.meta, *d.servers, *d.extra]:
-                if p is not None and not p.alive:
-                    print(
-                        f"gcache up: {p.name} exited ({p.popen.returncode}); see {p.log_path}",
-                        file=sys.stderr,
-                    )
-                    stop["signal"] = -1
-            time.sleep(0.2)
+            driver.step()
+            if metas and all(driver.sup.state(n) == GIVEN_UP for n in metas):
+                say("no meta left to restart; stopping the deployment")
+                stop["signal"] = -1
+                break
+            time.sleep(0.1)
     except _Interrupted:
+        pass
+    except DeploymentInterrupted:
         pass
     except GCacheError as exc:
         print(f"gcache up: {one_line(exc)}", file=sys.stderr)
         stop["signal"] = -1
     finally:
         codes = _quiet_stop(d)
+        if driver is not None:
+            driver.remove_state()
         print(f"stopped: {_codes(codes)}", flush=True)
     return 0 if stop["signal"] != -1 else 1
 
@@ -269,6 +291,11 @@ def print_status(reply: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    state = None if args.json else read_state(args.data_dir)
+    if state is not None:  # a gcache up runs there: its processes first (even with no meta)
+        for line in state_lines(state):
+            print(line)
+        print(flush=True)
     reply = fetch_stats(args.meta_grpc)
     if args.json:
         from google.protobuf.json_format import MessageToDict
@@ -297,7 +324,18 @@ def main(argv: list[str] | None = None) -> None:
         "up",
         help="start a meta and N servers on this host, until Ctrl-C",
         description="Start gcache-meta and N gcache-server processes, wait until "
-        "they are healthy, print the endpoints, serve until Ctrl-C/SIGTERM.",
+        "they are healthy, print the endpoints, serve until Ctrl-C/SIGTERM. A process "
+        "that dies is restarted with the same identity (same server id, ports, data "
+        "and NVMe directories; a server re-adopts its segment, the meta rebuilds from "
+        "the servers' reports) after a back-off that doubles from --restart-backoff-s "
+        "up to --restart-backoff-max-s (back to the start once it ran 30 s); one "
+        "restarted more than --max-restarts times within --restart-window-s is given "
+        "up on (said in one line; if that is the meta, gcache up stops and exits 1). "
+        "Each restart is one line on stderr and shows in `gcache status --data-dir`. "
+        "Ctrl-C/SIGTERM at any moment, start-up included, stops every process "
+        "(SIGTERM, SIGKILL after 10 s) and removes their segments, manifests and "
+        "staging files from /dev/shm and their ready files; the logs and the NVMe "
+        "tiers in --data-dir stay.",
     )
     up.add_argument("--servers", type=int, default=2, help="storage daemons (default 2)")
     up.add_argument(
@@ -334,7 +372,34 @@ def main(argv: list[str] | None = None) -> None:
         "7800; 0: any free)",
     )
     up.add_argument("--data-dir", default="gcache-data", help="logs and ready files")
-    up.add_argument("--timeout", type=float, default=30.0, help="seconds to become healthy")
+    up.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to become healthy (also for each restarted process)",
+    )
+    up.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=0.5,
+        help="first wait before restarting a dead process (default 0.5; doubles)",
+    )
+    up.add_argument(
+        "--restart-backoff-max-s",
+        type=float,
+        default=10.0,
+        help="longest wait before a restart (default 10)",
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one process within --restart-window-s before giving up on it "
+        "(default 5; 0: never restart)",
+    )
+    up.add_argument(
+        "--restart-window-s", type=float, default=60.0, help="see --max-restarts (default 60)"
+    )
     up.add_argument("--log-level", default="info")
     up.add_argument("--demo", action="store_true", help="run the built-in workload once up")
     up.add_argument("--demo-conversations", type=int, default=2)
@@ -371,6 +436,12 @@ def main(argv: list[str] | None = None) -> None:
     st = sub.add_parser("status", help="servers, capacity, usage, objects, hits and misses")
     st.add_argument("--meta-grpc", default="127.0.0.1:7701", help="meta gRPC address")
     st.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    st.add_argument(
+        "--data-dir",
+        default="gcache-data",
+        help="a running gcache up's data directory: its processes (state, restarts, last "
+        "exit code) are shown first, from its up-state.json (default gcache-data)",
+    )
     st.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="run the built-in workload against a running deployment")

@@ -163,6 +163,9 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         self.hotpath = hotpath  # HotPathServer.stats: its connection counters
         self.refused_unauthenticated = 0
         self.refused_duplicate_id = 0
+        self.refused_not_leader = 0
+        # HA: () -> (role, leader addresses) for GetStats; None for a single meta.
+        self.ha_role: Callable[[], tuple[str, str]] | None = None
         # While reports are adopted (see GcPause).
         self.gc_pause = GcPause(lambda: core.counters["objects_adopted"])
         self.pacer = ReportPacer()  # report streams by block position (meta/pacing.py)
@@ -191,6 +194,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         return {
             "refused_unauthenticated": self.refused_unauthenticated,
             "refused_duplicate_id": self.refused_duplicate_id,
+            "refused_not_leader": self.refused_not_leader,
             "report_holds": self.pacer.holds,  # report streams held (meta/pacing.py)
             "report_held_ms": int(self.pacer.held_s * 1000),
             **{f"hotpath_{k}": v for k, v in hot.items()},
@@ -204,7 +208,18 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 grpc.StatusCode.UNAUTHENTICATED, "a valid cluster token is required"
             )
 
+    async def _require_leader(self, context: Any) -> None:
+        """A standby (or a leader that cannot confirm its lease) answers every call
+        FAILED_PRECONDITION naming the leader, never with data."""
+        gate = self.core.not_leader
+        if gate is not None:
+            why = gate(time.monotonic())
+            if why is not None:
+                self.refused_not_leader += 1
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+
     async def RegisterServer(self, request: Any, context: Any) -> Any:
+        await self._require_leader(context)
         await self._require_cluster(context, "RegisterServer")
         if not request.server_id or not request.port or request.capacity < (1 << 20):
             await context.abort(
@@ -267,6 +282,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
     async def ReportObjects(self, request_iterator: Any, context: Any) -> Any:
         """A server's manifest, in chunks (``last`` on the final one): adopted into
         the index; the server gets placements only once it is complete."""
+        await self._require_leader(context)
         await self._require_cluster(context, "ReportObjects")
         with self.gc_pause():
             self.pacer.started()
@@ -279,6 +295,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         adopted = dropped = vain = 0
         server_id = ""
         async for chunk in request_iterator:
+            await self._require_leader(context)
             if chunk.epoch != self.core.epoch:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -331,6 +348,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         return pb.ReportObjectsReply(adopted=adopted, dropped=dropped, parked=parked)
 
     async def Heartbeat(self, request: Any, context: Any) -> Any:
+        await self._require_leader(context)
         await self._require_cluster(context, "Heartbeat")
         c = request.counters
         counters = {f.name: int(getattr(c, f.name)) for f in c.DESCRIPTOR.fields}
@@ -368,9 +386,11 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 for obj, ns, off in out.promote
             ],
             more=out.more,
+            epoch=self.core.epoch,
         )
 
     async def RegisterNamespace(self, request: Any, context: Any) -> Any:
+        await self._require_leader(context)
         why = self.auth.may_register_namespace(
             bearer(context.invocation_metadata()), request.cache_salt
         )
@@ -412,6 +432,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         return pb.RegisterNamespaceReply(fingerprint=ns.fingerprint, namespace_id=ns.ns_id)
 
     async def Evict(self, request: Any, context: Any) -> Any:
+        await self._require_leader(context)
         why = self.auth.may_administer(bearer(context.invocation_metadata()))
         if why is not None:
             self.refused_unauthenticated += 1
@@ -429,6 +450,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         ``meta/events.py``): a first empty batch once subscribed, then batches of at
         most ``max_batch`` removals, an empty one every ``keepalive_s``; ``gap``
         when removals were lost. The subscriber ends with the call."""
+        await self._require_leader(context)
         fp = bytes(request.namespace)
         ns = self.core.namespaces.get(fp)
         if ns is None:
@@ -471,6 +493,8 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             feed.unsubscribe(sub)
 
     async def GetStats(self, request: Any, context: Any) -> Any:
+        """Answered by a standby too (its role and the leader, no servers): status,
+        never cached data."""
         now = time.monotonic()
         servers = []
         for s in self.core.servers.values():
@@ -488,8 +512,12 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 )
             )
         stats = self.core.stats()
+        role, leader = self.ha_role() if self.ha_role is not None else ("", "")
         return pb.GetStatsReply(
             servers=servers,
             counters={k: float(v) for k, v in {**stats, **self.stats()}.items()},
             namespaces=len(self.core.namespaces),
+            role=role,
+            leader=leader,
+            epoch=self.core.epoch,
         )

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gcache import keys, wire
@@ -151,6 +152,10 @@ class MetaCore(Rebuild):
         self.pending_by_tenant = Counter()
         self._live = None  # live servers, rebuilt on change
         self.removals = RemovalFeed(cfg.event_ring, cfg.max_event_subscribers)
+        # High availability (meta/ha.py): why this meta may not serve at ``now``
+        # (a standby's redirect), or None; the election's gauges for stats().
+        self.not_leader: Callable[[float], str | None] | None = None
+        self.ha_stats: Callable[[], Mapping[str, float]] | None = None
 
     # ---- control plane -------------------------------------------------------------
 
@@ -304,6 +309,8 @@ class MetaCore(Rebuild):
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         out.update(self.counters)
+        if self.ha_stats is not None:
+            out.update(self.ha_stats())
         live = [s for s in self.servers.values() if s.alive]
         out.update(
             namespaces=len(self.namespaces),

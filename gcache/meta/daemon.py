@@ -7,6 +7,8 @@ import gc
 import logging
 import os
 import signal
+import socket
+import sys
 import time
 
 import grpc
@@ -16,8 +18,11 @@ from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.auth import Authenticator, add_port, server_credentials
 from gcache.config import MetaConfig
 from gcache.errors import BindError
+from gcache.leader import LeaderRecord, parse_etcd, redirect_text
 from gcache.meta.control import ControlService
 from gcache.meta.core import MetaCore
+from gcache.meta.election import Election
+from gcache.meta.ha import EtcdElection
 from gcache.meta.hotpath import HotPathServer
 from gcache.meta.metrics import MetricsServer
 from gcache.startup import (
@@ -34,9 +39,68 @@ TICK_S = 0.1
 STALL_S = 1.0  # a tick this late: the loop was blocked, servers get the time back
 
 
+class Restart(Exception):
+    """This meta lost its leadership: the process replaces itself (``main``)."""
+
+    def __init__(self, ports: tuple[int, int, int]) -> None:
+        super().__init__("stepping down")
+        self.ports = ports
+
+
+def setup_ha(
+    cfg: MetaConfig,
+    core: MetaCore,
+    control: ControlService,
+    addrs: tuple[int, int, int],
+    stopping: asyncio.Event,
+    stepped_down: list[str],
+) -> EtcdElection:
+    """Join the election in ``cfg.etcd``: the core serves only while this meta
+    is the leader with a valid lease (``core.not_leader``); it takes its epoch
+    when it wins. It starts empty and rebuilds from the servers' reports, which
+    come once they find it the leader (docs/architecture.md)."""
+    port, grpc_port, metrics_port = addrs
+    host = cfg.advertise_host or cfg.host
+    meta_id = cfg.meta_id or f"{socket.gethostname()}:{port}"
+    election = Election(meta_id, cfg.etcd_lease_ttl_s)
+    core.epoch = 0
+
+    def record(epoch: int) -> LeaderRecord:
+        return LeaderRecord(
+            meta_id, f"{host}:{port}", f"{host}:{grpc_port}", f"{host}:{metrics_port}", epoch
+        )
+
+    def not_leader(now: float) -> str | None:
+        if election.may_serve(now):
+            return None
+        other = election.leader
+        return redirect_text(other if other is not None and other.id != meta_id else None)
+
+    def on_leader(epoch: int) -> None:
+        core.epoch = epoch  # before the first request it serves: grants carry it
+
+    def on_step_down(why: str) -> None:
+        stepped_down.append(why)
+        stopping.set()
+
+    def role() -> tuple[str, str]:
+        lead = election.leader
+        where = f"hot={lead.hot} grpc={lead.grpc}" if lead is not None else ""
+        return election.role.value, where
+
+    driver = EtcdElection(
+        election, parse_etcd("meta.etcd", cfg.etcd), record, on_leader, on_step_down
+    )
+    core.not_leader = not_leader
+    core.ha_stats = driver.stats
+    control.ha_role = role
+    return driver
+
+
 async def run(cfg: MetaConfig) -> None:
     # The epoch: unix ms of this start. Every grant carries it and servers refuse
     # writes of an older one, so a restarted meta's predecessor cannot overwrite.
+    # With --etcd the election gives it (a standby has none).
     core = MetaCore(cfg, epoch=int(time.time() * 1000))
     auth = Authenticator.from_files(cfg.cluster_token_file, cfg.tenants_file)
     tls = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
@@ -79,10 +143,14 @@ async def run(cfg: MetaConfig) -> None:
                 if late > STALL_S:
                     log.warning("the meta's event loop stalled for %.1f s", late)
                     core.stalled(late)
+                    if driver is not None:
+                        driver.election.stalled(now, late)
                 core.tick(now)
             except Exception:
                 log.exception("tick failed")
 
+    driver: EtcdElection | None = None
+    stepped_down: list[str] = []
     metrics = MetricsServer(core, hot.stats)
     metrics_port = -1
     if cfg.metrics_port >= 0:
@@ -93,6 +161,14 @@ async def run(cfg: MetaConfig) -> None:
             await grpc_server.stop(grace=None)
             raise
     tasks = [asyncio.create_task(hot.accept_loop()), asyncio.create_task(ticker())]
+    if cfg.etcd:
+        driver = setup_ha(
+            cfg, core, control, (port, grpc_port, metrics_port), stopping, stepped_down
+        )
+        election = driver.election
+        metrics.ready = lambda: election.ready(time.monotonic())
+        tasks.append(asyncio.create_task(driver.run()))
+        log.info("gcache-meta joins the election in %s as %s", cfg.etcd, election.meta_id)
     log.info(
         "gcache-meta: hot path on %s:%d, gRPC on %s:%d, metrics on %s",
         cfg.host,
@@ -118,9 +194,26 @@ async def run(cfg: MetaConfig) -> None:
         log.info("gcache-meta stopping: %r", core)
         for t in tasks:
             t.cancel()
+        if driver is not None and not stepped_down:
+            await driver.close()  # a clean stop hands the lease over at once
         await hot.close()
         await metrics.close()
         await grpc_server.stop(grace=0.5)
+    if stepped_down:
+        raise Restart((port, grpc_port, metrics_port))
+
+
+def reexec(argv: list[str], ports: tuple[int, int, int]) -> None:
+    """Replace this process with a fresh meta on the same ports (and pid): a
+    leader that lost its lease keeps nothing of its term (index, leases, puts
+    in flight) and comes back as a standby. Sockets are not inherited (PEP 446)."""
+    port, grpc_port, metrics_port = ports
+    args = [*argv, "--port", str(port), "--grpc-port", str(grpc_port)]
+    if metrics_port >= 0:
+        args += ["--metrics-port", str(metrics_port)]
+    log.warning("gcache-meta restarts as a standby (same ports, fresh state)")
+    logging.shutdown()
+    os.execv(sys.executable, [sys.executable, "-m", "gcache.meta.daemon", *args])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,7 +231,10 @@ def main(argv: list[str] | None = None) -> None:
     def body() -> None:
         cfg = cfgmod.from_args(MetaConfig, args)
         install_uvloop()
-        asyncio.run(run(cfg))
+        try:
+            asyncio.run(run(cfg))
+        except Restart as r:
+            reexec(list(sys.argv[1:] if argv is None else argv), r.ports)
 
     run_main("gcache-meta", log, body)
 

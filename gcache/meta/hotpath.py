@@ -16,6 +16,7 @@ from gcache.errors import (
     E_ACCESS_DENIED,
     E_BAD_REQUEST,
     E_INTERNAL,
+    E_NOT_LEADER,
     GCacheError,
     InvalidBody,
     ProtocolError,
@@ -71,7 +72,13 @@ def dispatch(
     """Run one decoded request of ``session`` against the core; returns the reply body.
     With tenant tokens (``auth.tenants``) only ``PING`` and ``HELLO`` are served
     before the session authenticated. ``wait``: a ``PutBegin`` that finds DRAM full
-    while demotions in flight will make room raises ``PutWait``."""
+    while demotions in flight will make room raises ``PutWait``. A meta that may
+    not serve (a standby) refuses everything with ``E_NOT_LEADER``."""
+    now = time.monotonic()
+    if core.not_leader is not None:
+        why = core.not_leader(now)
+        if why is not None:
+            raise Refusal(E_NOT_LEADER, why)
     if msg_type == wire.T_HELLO:
         return hello(auth, session, msg)
     if (
@@ -81,7 +88,7 @@ def dispatch(
         and msg_type != wire.T_PING
     ):
         raise Refusal(E_ACCESS_DENIED, "not authenticated: send HELLO with an access token first")
-    now, wall = time.monotonic(), time.time()
+    wall = time.time()
     if msg_type == wire.T_LOOKUP:
         for lease_id in msg.release:
             core.release(lease_id, session)

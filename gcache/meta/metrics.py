@@ -1,6 +1,7 @@
 """Prometheus text exposition of the meta's stats on a small HTTP endpoint.
 
-Only ``GET /metrics`` (and ``/healthz``) are served; anything else gets 404. The
+Only ``GET /metrics``, ``/healthz`` (the process is up) and ``/ready`` (200 on
+a serving leader or a standby in touch with etcd, else 503) are served; anything else gets 404. The
 body is rendered from :meth:`MetaCore.stats` and the per-server records, so
 ``gcache status``, gRPC ``GetStats`` and Prometheus always agree; the hot path's
 connection counters (:meth:`HotPathServer.stats`) come as ``gcache_meta_hotpath_*``.
@@ -91,6 +92,8 @@ class MetricsServer:
         self.limiter = ConnectionLimiter(max_connections, max_per_peer, timeout_s)
         self.refused_log = RateLimitedLog(log)
         self.served = 0
+        # /ready: None (a single meta) is always ready; HA sets the election's.
+        self.ready: Callable[[], bool] | None = None
         self.timeouts = 0  # closed: no whole request and answer within timeout_s
 
     def stats(self) -> dict[str, int]:
@@ -124,6 +127,10 @@ class MetricsServer:
                     status, body = "200 OK", render(self.core, self.hotpath, self.stats).encode()
                 elif parts[0] == b"GET" and path == "/healthz":
                     status, body = "200 OK", b"ok\n"
+                elif parts[0] == b"GET" and path == "/ready":
+                    ok = self.ready is None or self.ready()
+                    status = "200 OK" if ok else "503 Service Unavailable"
+                    body = b"ready\n" if ok else b"not ready\n"
                 else:
                     status, body = "404 Not Found", b"not found\n"
                 writer.write(

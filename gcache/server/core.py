@@ -316,6 +316,8 @@ class DataPlaneCore:
             "seals": self.seals,
             "sealed_bytes": self.bytes_sealed,
             "replays_refused": self.replays,
+            "old_epoch_refused": self.old_epoch,
+            "epoch": self.epoch,
             "used_grants": len(self._used),
         }
 

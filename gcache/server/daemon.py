@@ -33,6 +33,7 @@ from gcache.errors import (
     Refusal,
     SendTimeout,
 )
+from gcache.leader import MetaFinder
 from gcache.server.core import DataPlaneCore
 from gcache.server.nvme_reads import NvmeReplies, StagedReplies, new_counters, read_staged
 from gcache.server.staging import StagingArea, remove_dead_staging_files, staging_path
@@ -66,9 +67,21 @@ _REFUSED = frozenset(
 )
 
 
+class _Switch(Exception):
+    """The meta tried is not (or no longer) the leader: find it again."""
+
+    def __init__(self, refusal: str) -> None:
+        super().__init__(refusal)
+        self.refusal = refusal
+
+
 class StorageServer:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
+        # The meta (or metas, or etcd) to follow (gcache/leader.py).
+        self.finder = MetaFinder(cfg.meta)
+        self.meta_switches = 0  # times it looked for the leader again
+        self.old_epoch_replies = 0  # heartbeat replies of an older meta, ignored
         self.secret = os.urandom(16)
         self.incarnation = random.getrandbits(63)
         self.segment: Segment | None = None
@@ -114,6 +127,8 @@ class StorageServer:
             **self.bad_frame_log.stats("bad_frames"),
             **self.refused_log.stats("refused_connections"),
             **self.request_log.stats("refused_requests"),
+            "meta_switches": self.meta_switches,
+            "old_epoch_replies": self.old_epoch_replies,
             **(self.tiers.stats() if self.tiers is not None else {}),
             "nvme_read_budget_waits": self.read_budget.waits,
             **self.read_buffers.stats(),
@@ -327,13 +342,17 @@ class StorageServer:
             bad_frames_suppressed=self.bad_frame_log.suppressed,
         )
 
-    async def register(self, stub: Any) -> float:
+    async def register(self, stub: Any, where: str = "") -> float:
         """Register (again) with the meta; retries while it is unreachable. A refusal
-        (bad cluster token, server id held by another live server) is fatal."""
+        (bad cluster token, server id held by another live server) is fatal. With
+        several metas (``self.finder.several``) a meta that is not the leader (or
+        unreachable, or of an older epoch than this server saw) raises
+        :class:`_Switch` so the loop finds the leader."""
         assert self.segment is not None
+        where = where or self.cfg.meta
         req = pb.RegisterServerRequest(
             server_id=self.server_id,
-            host=self.cfg.host,
+            host=self.cfg.advertise_host or self.cfg.host,
             port=self.port,
             hostname=socket.gethostname(),
             shm_path=self.segment.path,
@@ -343,15 +362,23 @@ class StorageServer:
         )
         if self.tiers is not None:
             self.tiers.fill_registration(req)
+        several = self.finder.several
         delay = 0.1
         while not self._stopping.is_set():
             try:
-                reply = await stub.RegisterServer(req, timeout=5.0)
+                reply = await stub.RegisterServer(req, timeout=5.0 if not several else 2.0)
+                assert self.core is not None
+                if several and reply.epoch < self.core.epoch:
+                    raise _Switch(
+                        f"meta {where} has epoch {reply.epoch}, older than {self.core.epoch}"
+                    )
                 self.registrations += 1
-                log.info("registered with meta %s as %s", self.cfg.meta, self.server_id)
+                log.info(
+                    "registered with meta %s as %s (epoch %d)", where, self.server_id, reply.epoch
+                )
+                # Older metas' grants and commands are refused from now on.
+                self.core.epoch = max(self.core.epoch, reply.epoch) if several else reply.epoch
                 if self.tiers is not None:
-                    assert self.core is not None
-                    self.core.epoch = reply.epoch  # older metas' grants are refused now
                     await self.tiers.report(
                         stub, self.server_id, self.incarnation, reply.epoch, reply.report_columns
                     )
@@ -359,10 +386,12 @@ class StorageServer:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _REFUSED:
                     raise GCacheError(
-                        f"meta {self.cfg.meta} refused to register server {self.server_id!r}: "
+                        f"meta {where} refused to register server {self.server_id!r}: "
                         f"{exc.details()}"
                     ) from exc
-                log.warning("register with meta %s failed: %s", self.cfg.meta, exc.details())
+                log.warning("register with meta %s failed: %s", where, exc.details())
+                if several:
+                    raise _Switch(exc.details() or "") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
         return self.cfg.heartbeat_interval_s
@@ -392,101 +421,115 @@ class StorageServer:
             self._stopping.set()
 
     async def _control_loop(self, ready: asyncio.Event) -> None:
-        # The channel reconnects at least every 500 ms whatever the outage length
-        # (auth.RECONNECT_OPTIONS), so after a meta restart the next heartbeat gets
-        # through and is told to re-register: within one interval of the meta.
-        async with aio_channel(
-            self.cfg.meta, token=self.cluster_token, tls_ca=self.cfg.tls_ca
-        ) as channel:
-            stub = pb_grpc.ControlStub(channel)
-            await self.register(stub)
-            ready.set()
-            interval = self.cfg.heartbeat_interval_s
-            failing = False
-            more = False  # the last reply was cut by its bounds: ask again at once
-            while not self._stopping.is_set():
-                if more:
-                    await asyncio.sleep(0)  # yield to the data path, then heartbeat
-                    if self._stopping.is_set():
-                        return
-                elif await self._pause(interval, failing):
-                    return
-                more = False
-                self._beat_soon.clear()  # this beat carries every result so far
-                beat = pb.HeartbeatRequest(
-                    server_id=self.server_id,
-                    incarnation=self.incarnation,
-                    counters=self._counters(),
-                )
-                if self.tiers is not None:
-                    self.tiers.fill_heartbeat(beat)
+        """Find the meta (the one configured, or the leader of several), register,
+        heartbeat; with several metas a failed or refused registration or
+        heartbeat sends it to the leader again."""
+        finder = self.finder
+        while not self._stopping.is_set():
+            found = await finder.find()
+            if found is None:  # etcd names no leader yet, or is unreachable
+                self.meta_switches += 1
+                await asyncio.sleep(0.2)
+                continue
+            where = found[1]
+            # The channel reconnects at least every 500 ms whatever the outage length
+            # (auth.RECONNECT_OPTIONS), so after a meta restart the next heartbeat gets
+            # through and is told to re-register: within one interval of the meta.
+            async with aio_channel(
+                where, token=self.cluster_token, tls_ca=self.cfg.tls_ca
+            ) as channel:
+                stub = pb_grpc.ControlStub(channel)
                 try:
-                    reply = await stub.Heartbeat(beat, timeout=max(interval, 1.0))
-                except grpc.aio.AioRpcError as exc:
-                    if self.tiers is not None:
-                        self.tiers.unsent(beat)  # reported again in the next heartbeat
-                    self.heartbeat_failures += 1
-                    if not failing:  # one line per outage, not one per beat
-                        log.warning("heartbeat to meta %s failed: %s", self.cfg.meta, exc.details())
-                    failing = True
-                    continue
-                if failing:
-                    log.info("meta %s reachable again", self.cfg.meta)
-                    failing = False
-                assert self.core is not None
-                for r in reply.free:
-                    self.core.free(r.offset, r.length)
+                    await self.register(stub, where)
+                    ready.set()
+                    await self._heartbeats(stub, where)
+                    return
+                except _Switch as sw:
+                    self.meta_switches += 1
+                    finder.failed(sw.refusal)
+                    log.info("looking for the meta leader (%s)", sw.refusal or "no answer")
+                    await asyncio.sleep(0.05)
+
+    async def _heartbeats(self, stub: Any, where: str) -> None:
+        several = self.finder.several
+        interval = self.cfg.heartbeat_interval_s
+        failing = 0
+        more = False  # the last reply was cut by its bounds: ask again at once
+        while not self._stopping.is_set():
+            if more:
+                await asyncio.sleep(0)  # yield to the data path, then heartbeat
+                if self._stopping.is_set():
+                    return
+            elif await self._pause(interval, failing > 0):
+                return
+            more = False
+            self._beat_soon.clear()  # this beat carries every result so far
+            beat = pb.HeartbeatRequest(
+                server_id=self.server_id,
+                incarnation=self.incarnation,
+                counters=self._counters(),
+            )
+            if self.tiers is not None:
+                self.tiers.fill_heartbeat(beat)
+            try:
+                reply = await stub.Heartbeat(beat, timeout=max(interval, 1.0))
+            except grpc.aio.AioRpcError as exc:
                 if self.tiers is not None:
-                    self.tiers.apply(reply)  # free -> adopt, drop_nvme, demote
-                if reply.reregister:
-                    log.warning("meta does not know this server; registering again")
-                    await self.register(stub)
-                else:
-                    more = reply.more
+                    self.tiers.unsent(beat)  # reported again in the next heartbeat
+                self.heartbeat_failures += 1
+                if not failing:  # one line per outage, not one per beat
+                    log.warning("heartbeat to meta %s failed: %s", where, exc.details())
+                failing += 1
+                if several:  # the leader died, paused or stepped down: find it
+                    raise _Switch(exc.details() or "") from exc
+                continue
+            assert self.core is not None
+            if reply.epoch and reply.epoch < self.core.epoch:
+                # A reply of an older meta: none of its commands is applied.
+                self.old_epoch_replies += 1
+                if several:
+                    raise _Switch(f"heartbeat reply of epoch {reply.epoch}")
+                continue
+            if failing:
+                log.info("meta %s reachable again", where)
+                failing = 0
+            for r in reply.free:
+                self.core.free(r.offset, r.length)
+            if self.tiers is not None:
+                self.tiers.apply(reply)  # free -> adopt, drop_nvme, demote
+            if reply.reregister:
+                log.warning("meta does not know this server; registering again")
+                await self.register(stub, where)
+            else:
+                more = reply.more
 
     # ---- lifecycle ---------------------------------------------------------------
 
     async def run(self) -> None:
         cfg = self.cfg
+        # SIGINT/SIGTERM from here on, start-up included, end in the cleanup below:
+        # the segment is made (reserved, pre-faulted) on a worker thread a signal
+        # cannot cut short, so a stop asked meanwhile is honoured right after it.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopping.set)
         self.listener = listen_tcp(cfg.host, cfg.port, "server.port, --port", 512)
         self.port = self.listener.getsockname()[1]
         if not self.server_id:
             self.server_id = f"{socket.gethostname()}:{self.port}"
         path = os.path.join(cfg.shm_dir, Segment.file_name(self.server_id))
-        self.tiers = await TierState.open(cfg, self.server_id, path)  # off the loop
-        self.tiers.on_report = self._beat_soon.set
-        self.segment = self.tiers.segment
-        self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
-        if self.tiers.nvme is not None and cfg.staging_size_bytes:
-            remove_dead_staging_files(cfg.shm_dir, self.segment.path)
-            self.staging = await asyncio.to_thread(  # reserves and faults in: off the loop
-                StagingArea,
-                staging_path(self.segment.path),
-                cfg.staging_size_bytes,
-                cfg.staging_ttl_s,
-                max(cfg.staging_size_bytes // 2, 4096),
-            )
-        log.info(
-            "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
-            self.server_id,
-            self.segment.capacity,
-            path,
-            cfg.host,
-            self.port,
-        )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stopping.set)
-        ready = asyncio.Event()
-        tasks = [
-            asyncio.create_task(self.accept_loop()),
-            asyncio.create_task(self.control_loop(ready)),
-        ]
+        # A killed predecessor's staging file (with or without a tier now).
+        for name in remove_dead_staging_files(cfg.shm_dir, path):
+            log.warning("removed staging file %s of a dead process", name)
         try:
-            await asyncio.wait(
-                [asyncio.create_task(ready.wait()), asyncio.create_task(self._stopping.wait())],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            self.tiers = await TierState.open(cfg, self.server_id, path)  # off the loop
+        except BaseException:
+            self.listener.close()
+            raise
+        ready = asyncio.Event()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await self._start_serving(path, ready, tasks)
             if ready.is_set() and cfg.ready_file:
                 with open(cfg.ready_file + ".tmp", "w") as fh:
                     fh.write(f"{cfg.host} {self.port}\n")
@@ -495,7 +538,11 @@ class StorageServer:
             if self.fatal is not None:
                 raise self.fatal
         finally:
-            log.info("gcache-server %s stopping", self.server_id)
+            log.info(
+                "gcache-server %s stopping%s",
+                self.server_id,
+                "" if ready.is_set() else " (before it was ready)",
+            )
             self.listener.close()
             for t in [*tasks, *self.connections]:
                 t.cancel()
@@ -504,7 +551,46 @@ class StorageServer:
             self.read_buffers.close()
             if self.staging is not None:
                 self.staging.close()  # removes the staging file
-            self.tiers.close()  # keeps the segment and its manifest for the next start
+            # Keeps the segment and its manifest for the next start, unless this start
+            # made it and stopped before registering: then it holds nothing.
+            self.tiers.close(keep=ready.is_set() or self.tiers.segment.reused)
+
+    async def _start_serving(
+        self, path: str, ready: asyncio.Event, tasks: list[asyncio.Task[None]]
+    ) -> None:
+        """The rest of start-up (staging file, data and control loops), then wait
+        until registered or stopped (``ready``; ``tasks`` gets the loops)."""
+        cfg = self.cfg
+        assert self.tiers is not None
+        self.tiers.on_report = self._beat_soon.set
+        self.segment = self.tiers.segment
+        self.core = DataPlaneCore(self.segment, self.secret, nvme=self.tiers.nvme)
+        if self.tiers.nvme is not None and cfg.staging_size_bytes and not self._stopping.is_set():
+            self.staging = await asyncio.to_thread(  # reserves and faults in: off the loop
+                StagingArea,
+                staging_path(self.segment.path),
+                cfg.staging_size_bytes,
+                cfg.staging_ttl_s,
+                max(cfg.staging_size_bytes // 2, 4096),
+            )
+        if self._stopping.is_set():
+            return
+        log.info(
+            "gcache-server %s: %d-byte segment at %s, data plane on %s:%d",
+            self.server_id,
+            self.segment.capacity,
+            path,
+            cfg.host,
+            self.port,
+        )
+        tasks += [
+            asyncio.create_task(self.accept_loop()),
+            asyncio.create_task(self.control_loop(ready)),
+        ]
+        await asyncio.wait(
+            [asyncio.create_task(ready.wait()), asyncio.create_task(self._stopping.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
