@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
 import logging
 import os
 import time
@@ -118,6 +119,47 @@ def dram_gbps(view: memoryview, nbytes: int = 64 << 20) -> float:
     return n / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
+def _check_not_held(path: str) -> None:
+    """Refuse a segment file a live server holds (each keeps it locked)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise GCacheError(f"cannot open segment file {path}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        raise GCacheError(f"segment file {path} is in use by another process") from exc
+    finally:
+        os.close(fd)  # releases the probe's lock
+
+
+def _left_under_own_name(path: str, owner: str) -> str | None:
+    """A segment file already at this process's own name was left by an earlier run
+    with the same pid: a server restarted in a new container (its own pid
+    namespace, the server its first process) has the same pid every time. Such a
+    file of this owner is re-adopted like any dead predecessor's; ``path`` if so."""
+    if not os.path.exists(path):
+        return None
+    _check_not_held(path)
+    return path if read_owner(manifest_path(path)) == owner else None
+
+
+def _remove_left_under_own_name(path: str) -> None:
+    """A file at this process's own name that is not re-adopted (another owner, or
+    reuse off) is an earlier run's: removed, so the new segment can be created."""
+    _check_not_held(path)
+    for p in (path, manifest_path(path)):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise GCacheError(f"cannot remove the earlier run's segment file {p}: {exc}") from exc
+    log.warning("removed segment file %s an earlier run with this pid left", path)
+
+
 class TierState:
     def __init__(self, segment: Segment, manifest: Manifest, nvme: NvmeTier | None) -> None:
         self.segment = segment
@@ -152,8 +194,10 @@ class TierState:
     @classmethod
     def start(cls, cfg: ServerConfig, server_id: str, path: str) -> TierState:
         owner = f"{server_id}@{cfg.meta}"
-        old = None
-        if cfg.reuse_segment:
+        old = _left_under_own_name(path, owner) if cfg.reuse_segment else None
+        if old is None and os.path.exists(path):
+            _remove_left_under_own_name(path)
+        if cfg.reuse_segment and old is None:
             old = Segment.adoptable(cfg.shm_dir, server_id, owner, read_owner)
             if old is not None:
                 try:

@@ -106,6 +106,7 @@ class Harness:
     def __init__(self, tmp: Path, epoch: int = 1_000, args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         self.args = args  # more server flags (a later --capacity wins)
+        self.prefix: tuple[str, ...] = ()  # a command the server runs under (unshare)
         self.meta = ScriptedMeta(epoch)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(4))
         pb_grpc.add_ControlServicer_to_server(self.meta, self.grpc)
@@ -126,6 +127,7 @@ class Harness:
         log = open(self.tmp / "server.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [
+                *self.prefix,
                 sys.executable,
                 "-m",
                 "gcache.server.daemon",
