@@ -621,7 +621,8 @@ class RouterConfig:
         default="bytes",
     )
     meta: str = _doc(
-        "GCache meta hot-path host:port for the pool match (Lookup, no lease); empty: off",
+        "GCache meta hot-path host:port for the pool match (Lookup, no lease), several as "
+        "H:P,H:P or etcd://HOST:PORT/PREFIX (the leader is followed); empty: off",
         default="",
     )
     pool_timeout_s: float = _doc(
@@ -720,7 +721,7 @@ class RouterConfig:
         if self.tokenizer not in ("bytes", "none"):
             raise ConfigError(f"router.tokenizer must be bytes or none, got {self.tokenizer!r}")
         if self.meta:
-            _check_hostport("router.meta", self.meta)
+            check_meta("router.meta, --meta", self.meta)
         if self.token and self.token_file:
             raise ConfigError("router: set either token or token_file, not both")
         if not 1 <= self.max_instances <= 1024:

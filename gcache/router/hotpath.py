@@ -14,12 +14,14 @@ from gcache import wire
 from gcache.errors import (
     E_BAD_REQUEST,
     E_INTERNAL,
+    E_NOT_LEADER,
     GCacheError,
     InvalidBody,
     ProtocolError,
     Refusal,
     SendTimeout,
 )
+from gcache.leader import MetaFinder, is_etcd
 from gcache.router.service import RouterCore
 from gcache.transport.framing import peek_array_field
 from gcache.transport.limits import (
@@ -41,13 +43,18 @@ class PoolMatcher:
     late reply can never answer the next request); failures are logged at a
     bounded rate. With ``token`` set, each new connection first sends ``HELLO``
     with it, so a meta with a tenant table serves the lookups (the token's tenant
-    must be allowed the namespace)."""
+    must be allowed the namespace).
+
+    ``addr``: the meta's hot path ``H:P``, several as ``H:P,H:P`` or
+    ``etcd://HOST:PORT/PREFIX``: with more than one meta the matcher follows the
+    leader (a standby's ``E_NOT_LEADER`` names it; etcd names it), and a lookup
+    while none answers counts as no pool hit."""
 
     def __init__(
         self, addr: str, namespace: bytes, timeout_s: float, token: str | None = None
     ) -> None:
-        host, _, port = addr.rpartition(":")
-        self.host, self.port = host, int(port)
+        self.finder = MetaFinder(addr, "" if is_etcd(addr) else addr)
+        self.host, self.port = "", 0
         self.namespace = namespace
         self.timeout_s = timeout_s
         self._token = token
@@ -71,7 +78,16 @@ class PoolMatcher:
         return head.msg_type, reply
 
     async def _connect(self) -> FrameStream:
-        stream = await FrameStream.connect(self.host, self.port, self.timeout_s)
+        found = await self.finder.find(self.timeout_s)
+        if found is None:
+            raise GCacheError("no meta leader named in etcd")
+        host, _, port = found[0].rpartition(":")
+        self.host, self.port = host, int(port)
+        try:
+            stream = await FrameStream.connect(self.host, self.port, self.timeout_s)
+        except OSError:
+            self.finder.failed()  # the next match tries the next meta of a list
+            raise
         if self._token is not None:
             try:
                 _, reply = await self._request(stream, wire.Hello(self._token))
@@ -90,6 +106,8 @@ class PoolMatcher:
         stream = self._stream
         msg_type, reply = await self._request(stream, wire.Lookup(self.namespace, list(keys)))
         if isinstance(reply, wire.Error):
+            if reply.code == E_NOT_LEADER:  # a standby: the next match asks the leader
+                self.finder.failed(reply.message)
             raise GCacheError(f"meta refused the lookup: {reply.message}")
         if not isinstance(reply, wire.LookupResult):
             raise GCacheError(f"unexpected reply type {msg_type}")

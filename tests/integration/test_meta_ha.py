@@ -14,6 +14,7 @@ servers and clients following the leader (``LocalDeployment(ha=True)``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -31,7 +32,9 @@ from gcache.cli.deploy import LocalDeployment, Proc, signal_group
 from gcache.cli.ha import ETCD_BIN
 from gcache.config import ClientConfig
 from gcache.errors import E_ACCESS_DENIED, E_NOT_LEADER
+from gcache.keys import block_keys
 from gcache.leader import parse_redirect
+from gcache.router.hotpath import PoolMatcher
 from gcache_client import GCacheClient
 from tests import rawwire
 from tests.kvdata import assert_layers_match, make_kv, tiny_hybrid, tokens
@@ -85,13 +88,12 @@ def test_kill9_leader_under_load_standby_serves(tmp_path: Path) -> None:
         ns = client.register_namespace("ha-kill", tiny_hybrid())
         prompts = _store(client, ns, 40)
         assert _check_bytes(client, ns, prompts) == 40
-        # Commits reach the servers' manifests with the next heartbeat replies
-        # (durable-before-OK commits make this wait unnecessary).
-        time.sleep(1.5)
+        # No wait here: a commit is in its server's manifest before the OK.
 
         errors: list[BaseException] = []
         stop = threading.Event()
         ops = {"n": 0, "hits": 0}
+        acked: list[int] = []  # workload puts whose commit returned OK
 
         def workload() -> None:
             c = GCacheClient(d.client_config(timeout_s=1.0))
@@ -106,7 +108,9 @@ def test_kill9_leader_under_load_standby_serves(tmp_path: Path) -> None:
                             assert_layers_match(got, make_kv(ns.layout, NTOK, seed=s))
                             ops["hits"] += 1
                         c.release(m)
-                    c.put(ns, tokens(NTOK, seed=10_000 + i), make_kv(ns.layout, NTOK, seed=1))
+                    res = c.put(ns, tokens(NTOK, seed=10_000 + i), make_kv(ns.layout, NTOK, seed=1))
+                    if res.ok and not res.no_space and res.blocks == NTOK // 4:
+                        acked.append(i)
                     ops["n"] += 1
                     i += 1
             except BaseException as exc:  # the test reports it
@@ -153,6 +157,21 @@ def test_kill9_leader_under_load_standby_serves(tmp_path: Path) -> None:
         assert 0 <= at5 <= 5.0
         assert rehit == len(prompts) and good == len(prompts)
         assert ops["n"] > 0
+        # Every workload put acknowledged (before, during or after the kill) hits
+        # with its bytes: its objects were in their servers' manifests before OK.
+        lost = []
+        with GCacheClient(d.client_config(timeout_s=2.0)) as c:
+            for i in acked:
+                toks = tokens(NTOK, seed=10_000 + i)
+                m = c.match(ns, toks)
+                got = c.get(m) if m.tokens == (NTOK // 4) * 4 else None
+                if got is None:
+                    lost.append(i)
+                else:
+                    assert_layers_match(got, make_kv(ns.layout, NTOK, seed=1))
+                c.release(m)
+        print(f"workload: {len(acked)} acknowledged puts, {len(lost)} not found after failover")
+        assert acked and not lost, f"acknowledged puts lost: {lost}"
 
 
 def test_sigstop_leader_is_fenced_and_comes_back_standby(tmp_path: Path) -> None:
@@ -161,13 +180,13 @@ def test_sigstop_leader_is_fenced_and_comes_back_standby(tmp_path: Path) -> None
         client = GCacheClient(d.client_config(timeout_s=1.0))
         ns = client.register_namespace("ha-stop", tiny_hybrid())
         prompts = _store(client, ns, 20)
-        time.sleep(1.5)
         old = d.leader()
         old_epoch = d.stats().epoch
         # A put begun at the old leader: its write grants carry the old epoch.
         keys = [bytes([i]) * 16 for i in range(1, 4)]
         _, placed, _ = rawwire.call(
-            old.port, wire.PutBegin(ns.fingerprint, keys, [0b11] * 3)  # type: ignore[arg-type]
+            old.port,
+            wire.PutBegin(ns.fingerprint, keys, [0b11] * 3),  # type: ignore[arg-type]
         )
         assert isinstance(placed, wire.PutPlaced) and placed.placements
         signal_group(old, signal.SIGSTOP)
@@ -188,7 +207,8 @@ def test_sigstop_leader_is_fenced_and_comes_back_standby(tmp_path: Path) -> None
             for p in placed.placements:
                 srv = placed.servers[p.server]
                 payload = b"\xab" * p.grant.length
-                _, body, _ = rawwire.call(srv.port, wire.Write(p.grant), payload)
+                rec = rawwire.obj(ns.fingerprint, ns.layout, keys, p)
+                _, body, _ = rawwire.call(srv.port, wire.Write(p.grant, rec), payload)
                 assert isinstance(body, wire.Error) and body.code == E_ACCESS_DENIED, body
                 refused += 1
             counts = [_server_stats(s.port)["old_epoch_refused"] for s in d.servers]
@@ -277,3 +297,19 @@ def test_standby_redirects_and_lists_work(tmp_path: Path) -> None:
                 ns = c.register_namespace("ha-list", tiny_hybrid())
                 prompts = _store(c, ns, 3, seed0=77)
                 assert _check_bytes(c, ns, prompts, seed0=77) == 3
+        # The router's pool match follows the leader too: given both metas with
+        # the standby first, or etcd.
+        keys = block_keys(ns.fingerprint, prompts[0], ns.layout.block_size)
+
+        async def pool_match(addr: str) -> tuple[int, int]:
+            pm = PoolMatcher(addr, ns.fingerprint, 2.0)
+            try:
+                first = await pm.match(keys)  # the standby's E_NOT_LEADER: no pool hit
+                return first, await pm.match(keys)
+            finally:
+                pm.close()
+
+        standby_first = ",".join(d.hot_of(p) for p in order)
+        _, listed_blocks = asyncio.run(pool_match(standby_first))
+        etcd_first, etcd_blocks = asyncio.run(pool_match(d.meta_addr))
+        assert listed_blocks == len(keys) and etcd_first == etcd_blocks == len(keys)
