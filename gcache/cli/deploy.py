@@ -170,6 +170,8 @@ class LocalDeployment:
         try:
             if self.ha:
                 self.etcd = Etcd.start(self.data_dir / "etcd", self.host)
+                self._track_etcd()
+                self.respawn["etcd"] = Respawn(self._respawn_etcd, self._etcd_ready)
                 for name in HA_METAS:
                     self._start_meta(deadline, name)
             else:
@@ -182,6 +184,21 @@ class LocalDeployment:
             raise
         self._started = True
         return self
+
+    def _track_etcd(self) -> Proc:
+        assert self.etcd is not None and self.etcd.popen is not None
+        proc = Proc("etcd", self.etcd.popen, self.etcd.log_path, self.host, self.etcd.client_port)
+        self.spawned.append(proc)
+        return proc
+
+    def _respawn_etcd(self) -> Proc:
+        """``gcache up --ha``'s supervisor restarts etcd on the same ports and data."""
+        assert self.etcd is not None
+        self.etcd.spawn()
+        return self._track_etcd()
+
+    def _etcd_ready(self, proc: Proc) -> bool:
+        return self.etcd is not None and self.etcd.healthy()
 
     def _start_meta(self, deadline: float, name: str = "meta") -> None:
         proc = self._spawn_meta(name)
@@ -382,7 +399,8 @@ class LocalDeployment:
         codes: dict[str, int | None] = {}
         self._started = False
         procs = [*self.extra, *self.servers, *([self.meta] if self.meta else [])]
-        procs += [p for p in self.spawned if p not in procs]
+        # etcd last (below): the metas give their leases back as they stop.
+        procs += [p for p in self.spawned if p not in procs and p.name != "etcd"]
         for p in procs:
             if p.alive:
                 signal_group(p, signal.SIGTERM)

@@ -56,12 +56,38 @@ class Etcd:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir.with_name("etcd.log")
+
     def launch(self, timeout: float = 15.0) -> None:
-        """Start the member (again: same ports, same data)."""
+        """Start the member (again: same ports, same data) and wait until it is
+        healthy."""
+        self.spawn()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise GCacheError(f"etcd exited at start; see {self.log_path}")
+            if self.healthy():
+                return
+            time.sleep(0.05)
+        raise GCacheError(f"etcd not healthy within {timeout} s")
+
+    def healthy(self) -> bool:
+        """etcd's ``/health`` says true."""
+        try:
+            url = f"http://{self.host}:{self.client_port}/health"
+            with urllib.request.urlopen(url, timeout=0.5) as r:
+                return b'"true"' in r.read()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start the member (same ports, same data) and return at once."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         client = f"http://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
-        log = open(self.data_dir.with_name("etcd.log"), "ab")  # noqa: SIM115 - child keeps it
+        log = open(self.log_path, "ab")  # noqa: SIM115 - child keeps it
         try:
             self.popen = subprocess.Popen(
                 [
@@ -90,20 +116,7 @@ class Etcd:
             )
         finally:
             log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive:
-                raise GCacheError(
-                    f"etcd exited at start; see {self.data_dir.with_name('etcd.log')}"
-                )
-            try:
-                with urllib.request.urlopen(f"{client}/health", timeout=0.5) as r:
-                    if b'"true"' in r.read():
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.05)
-        raise GCacheError(f"etcd not healthy within {timeout} s")
+        return self.popen
 
     def signal(self, sig: int) -> None:
         if self.popen is not None and self.alive:
