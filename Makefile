@@ -75,7 +75,8 @@ sglang-venv: $(SGLANG_STAMP)
 # Other ports or options: make run ARGS='--meta-port 17700 --grpc-port 17701 ...'
 # (or GCACHE_META_PORT=17700 make run; README "Ports").
 ARGS ?=
-run: $(STAMP)
+# make run ARGS=--ha: etcd and two metas (installs etcd-server when missing).
+run: $(STAMP) $(if $(findstring --ha,$(ARGS)),$(ETCD_BIN))
 	$(VENV)/bin/gcache up --demo $(ARGS)
 
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(ETCD_BIN) lint typecheck
