@@ -19,8 +19,9 @@ Safety rests on three rules:
   it read, so two winners never share an epoch.
 * While etcd cannot be reached at all the leader keeps serving ("degraded"),
   because no other meta can win without etcd either, but only if the failure was
-  noticed while its lease was still valid and no stall happened since: a meta
-  that paused first needs etcd's confirmation again.
+  noticed while its lease was still valid, and only for one TTL after each failed
+  try (the driver tries every TTL/3): a meta that paused or stopped trying needs
+  etcd's confirmation again.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Election:
         self.highest_epoch = 0  # highest epoch seen in etcd
         self.valid_until = float("-inf")  # lease known valid before this (monotonic)
         self.degraded = False  # leader, etcd unreachable: serving on (see above)
+        self.degraded_until = float("-inf")  # one TTL after the last failed try
         self.connected_until = float("-inf")  # heard from etcd within a TTL before this
         self.leader: LeaderRecord | None = None  # the leader etcd named last
         self.terms = 0  # times this meta became leader
@@ -69,7 +71,9 @@ class Election:
     # ---- questions -------------------------------------------------------------------
 
     def may_serve(self, now: float) -> bool:
-        return self.role is Role.LEADER and (now < self.valid_until or self.degraded)
+        return self.role is Role.LEADER and (
+            now < self.valid_until or (self.degraded and now < self.degraded_until)
+        )
 
     def stepping_down(self) -> bool:
         return self.role is Role.STEPPING_DOWN
@@ -134,9 +138,16 @@ class Election:
         )
 
     def unreachable(self, now: float) -> None:
-        """An etcd call failed (no answer)."""
-        if self.role is Role.LEADER and now < self.valid_until:
-            self.degraded = True  # noticed while the lease was valid: serve on
+        """An etcd call failed (no answer). Noticed while the lease was valid, or
+        within a TTL of the previous failed try: serve on for one more TTL. A
+        leader that made no try for longer than a TTL (it was stopped) stops."""
+        if self.role is not Role.LEADER:
+            return
+        if now < self.valid_until or (self.degraded and now < self.degraded_until):
+            self.degraded = True
+            self.degraded_until = now + self.ttl_s
+        else:
+            self.degraded = False
 
     def stalled(self, now: float, late_s: float) -> None:
         """The event loop did not run for ``late_s``: a leader that may have lost

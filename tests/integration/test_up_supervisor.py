@@ -21,7 +21,7 @@ import pytest
 
 from gcache.cli.deploy import fetch_stats
 from gcache.config import ClientConfig
-from gcache.leader import MetaFinder
+from gcache.leader import MetaFinder, parse_etcd, read_leader
 from gcache_client import GCacheClient
 from tests.kvdata import assert_layers_match, make_kv, tiny_hybrid, tokens
 
@@ -382,9 +382,10 @@ def test_given_up_process_stays_down_and_no_meta_stops_the_deployment(tmp_path: 
 
 def test_up_ha_heals_the_leader_and_etcd(tmp_path: Path) -> None:
     """``gcache up --ha``: etcd and both metas are supervised like the servers. A
-    kill -9 of the leader: the other meta leads, the dead one comes back (as a
-    standby) with its ports; a kill -9 of etcd: restarted on its ports and data;
-    the cached prompts hit throughout; a stop leaves nothing."""
+    kill -9 of the leader: a new term starts (the other meta, or the restarted one,
+    leads with a higher epoch), the dead one comes back with its ports; a kill -9
+    of etcd: restarted on its ports and data; the cached prompts hit throughout; a
+    stop leaves nothing."""
     from gcache.cli.ha import ETCD_BIN
 
     if not os.access(ETCD_BIN, os.X_OK):
@@ -412,12 +413,17 @@ def test_up_ha_heals_the_leader_and_etcd(tmp_path: Path) -> None:
             ports = {int(p["port"]): n for n, p in up.state().items() if n.startswith("meta")}  # type: ignore[call-overload]
             return "" if found is None else ports.get(int(found[0].rpartition(":")[2]), "")
 
-        lead = leader()
+        def epoch() -> int:
+            rec = asyncio.run(read_leader(parse_etcd("meta", meta)))
+            return 0 if rec is None else rec.epoch
+
+        lead, epoch0 = leader(), epoch()
         assert lead in ("meta", "meta1"), lead
         os.kill(int(st0[lead]["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
         up.wait_for(rf"{lead} exited \(-9\); restarting it", 10)
         up.wait_for(rf"{lead} is back \(pid \d+, restart 1\)", 30)
-        _wait(lambda: leader() not in ("", lead), 15, "the other meta to lead")
+        # A new term: the other meta, or the restarted one (a standby campaigns too).
+        _wait(lambda: epoch() > epoch0 and leader() != "", 15, "a new leader (epoch)")
         _wait(all_hit, 15, "every prompt to hit again under the new leader")
         st1 = up.state()
         assert st1[lead]["port"] == st0[lead]["port"] and st1[lead]["restarts"] == 1

@@ -28,6 +28,7 @@ class FakeEtcd:
         self.leader: LeaderRecord | None = None
         self.lease_expiry = 0.0
         self.epoch = 0
+        self.down_at = 0.0
 
     def expire(self, now: float) -> None:
         if self.leader is not None and now >= self.lease_expiry:
@@ -95,14 +96,18 @@ class ElectionMachine(RuleBasedStateMachine):
 
     @rule()
     def etcd_down(self) -> None:
-        self.etcd.up = False
+        if self.etcd.up:
+            self.etcd.up = False
+            self.etcd.down_at = self.now
 
     @rule()
     def etcd_back(self) -> None:
         if not self.etcd.up:
             self.etcd.up = True
-            self.etcd.expire(self.now)  # what expired before it went down is gone...
-            self.etcd.lease_expiry = self.now + TTL  # ...the rest get a fresh TTL
+            # What expired before it went down is gone; etcd's new raft leader
+            # gives every other lease a fresh TTL (its lessor's promotion).
+            self.etcd.expire(self.etcd.down_at)
+            self.etcd.lease_expiry = self.now + TTL
 
     @rule()
     def wall_clock_steps_back(self) -> None:
