@@ -1,4 +1,4 @@
-"""Copy + checksum kernels on this machine (issue 12): the two-pass Python path
+"""Copy + checksum kernels on this machine: the two-pass Python path
 (numpy copy, then the ``xxhash`` package), the fused native kernel with xxh3-64 and
 with CRC32C (SSE4.2 ``crc32`` instruction), on one and two threads, against a
 plain numpy copy of the same bytes.

@@ -1,4 +1,4 @@
-"""CPU seconds per GB moved, per process, on the data paths (issue 12).
+"""CPU seconds per GB moved, per process, on the data paths.
 
 Starts a local meta + one server, runs ``gcache-bench``'s own read and write
 operations (leased match + copy + verify + release; put = PutBegin + copy +

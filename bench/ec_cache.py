@@ -1,4 +1,4 @@
-"""Encoder cache (issue 17 part 3): fetching a cached image's encoder output from
+"""Encoder cache: fetching a cached image's encoder output from
 GCache vs running the vision encoder for it, in one run.
 
 The encoder is a CLIP ViT-B/16-sized vision tower (12 layers, width 768, seeded

@@ -1,6 +1,6 @@
 """Where a shared-memory ``get_layers`` spends its time: each large copy's start
-and end on the copy thread, and when the caller got each full layer (issue 12,
-round two). Diagnostic, not a benchmark: it wraps the client's ``copy_verify``.
+and end on the copy thread, and when the caller got each full layer.
+Diagnostic, not a benchmark: it wraps the client's ``copy_verify``.
 
     python -m bench.layers_trace [--prompt 32768]
 """

@@ -16,7 +16,7 @@ those of prompts of ``--prompt-blocks`` blocks with the MiMo-V2-Flash layout
 prompt's last blocks, strict O(W)); each object sits on a random server, a
 ``--nvme-fraction`` of them on its NVMe tier. ``--order``: the order of a server's
 manifest: ``random`` (worst case: most records arrive before their parent) or
-``block`` (sorted by block position, as servers stream since issue 10 round 2).
+``block`` (sorted by block position, as servers stream).
 
 Measured: wall time from the first ``RegisterServer`` to the last
 ``ReportObjectsReply`` (``--namespace first``: the namespace was registered again

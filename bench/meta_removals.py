@@ -1,4 +1,4 @@
-"""Cost of the meta's removal feed (issue 13) on its eviction path.
+"""Cost of the meta's removal feed on its eviction path.
 
     python -m bench.meta_removals [--puts 4000] [--subscribers 0|1|...] [--repeat 5]
 
@@ -10,7 +10,7 @@ stores. Measured: CPU time (``time.process_time``) per put and per evicted
 object, best of ``--repeat``; with ``--subscribers N`` that many subscribers
 watch the namespace and one of them reads the feed after every put (what the
 gRPC stream does), so the figure includes recording and reading. A tree without
-the feed (before issue 13) runs the same script: ``subscribers`` is then ignored.
+the feed (a tree without it) runs the same script: ``subscribers`` is then ignored.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CPU per MiB of tier-1 (NVMe) reads, client and server (issue 10, round four).
+"""CPU per MiB of tier-1 (NVMe) reads, client and server.
 
 On a machine whose cores are shared, wall-clock bandwidth mostly says how much
 CPU the processes got; the CPU they spend per MiB read does not. A local meta and

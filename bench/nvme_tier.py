@@ -1,4 +1,4 @@
-"""NVMe tier bandwidth against the raw device (issue 10).
+"""NVMe tier bandwidth against the raw device.
 
 For object sizes of 1 MiB and 16 MiB, in the same directory:
 

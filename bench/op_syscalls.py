@@ -1,4 +1,4 @@
-"""System calls and context switches per operation, per process (issue 12).
+"""System calls and context switches per operation, per process.
 
 Starts a local meta + one server, runs ``gcache-bench``'s own TCP read and write
 operations (1 MiB by default, ``--qd`` in flight) and counts, with ``perf stat``

@@ -34,7 +34,7 @@ from bench.compare.peers import PEERS
 from bench.compare.report import chart, print_ratios, print_table, ratios
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
-# Issue 12's second TCP target size: GCache over TCP (single-object operations in
+# The second TCP target size: GCache over TCP (single-object operations in
 # flight) against iperf3 only, fewer iterations (the bytes, not the count, matter).
 DEFAULT_TCP_SIZES = "16MiB"
 TCP_EXTRA_BYTES = 4 << 30  # per op and size: 256 operations of 16 MiB

@@ -1,4 +1,4 @@
-"""NVMe rows of ``python -m bench.compare`` (issue 10): the directory's raw
+"""NVMe rows of ``python -m bench.compare``: the directory's raw
 sequential bandwidth with ``dd`` (``oflag=direct conv=fdatasync`` / ``iflag=direct``,
 the object size as block size) against GCache's NVMe tier on the same directory
 through a local meta + server (``gcache-bench write|read --tier nvme``: the demotion

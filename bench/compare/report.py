@@ -10,7 +10,7 @@ Row = dict[str, Any]
 
 MEMCPY_TARGET = 0.6  # applies only where Mooncake did not run
 
-# (gcache system, peer system, {op: target ratio at 1 MiB or None}): issue 4's targets.
+# (gcache system, peer system, {op: target ratio at 1 MiB or None}): the targets.
 # Anchors with several rows for one size (iperf3 plain and per-size, memcpy with 1 and N
 # threads) are compared against their best figure: the conservative choice.
 # Like for like: the batched GCache shape (one operation of N objects at a time) is
@@ -21,18 +21,18 @@ PAIRS: list[tuple[str, str, dict[str, float | None]]] = [
     ("gcache (TCP, batched)", "mooncake (TCP)", {"write": 1.0, "read": 1.0}),
     ("gcache (TCP)", "redis (redis-py)", {"write": 2.0, "read": 2.0}),
     ("gcache (TCP)", "redis-benchmark", {"write": None, "read": None}),
-    # Issue 12: shm read 1 MiB (4 in flight, the batched shape) >= 1.0x Mooncake's memcpy.
+    # Shared memory: read 1 MiB (4 in flight, the batched shape) >= 1.0x Mooncake's memcpy.
     ("gcache (SHM, batched)", "mooncake (local memcpy)", {"write": None, "read": 1.0}),
     ("gcache (SHM)", "memcpy (numpy)", {"write": None, "read": MEMCPY_TARGET}),
     ("gcache (SHM)", "redis (redis-py)", {"write": None, "read": None}),
-    # Issue 10: the NVMe tier against the raw direct I/O of its directory, every size.
+    # The NVMe tier against the raw direct I/O of its directory, every size.
     ("gcache (NVMe)", "raw disk (dd direct)", {"write": 0.7, "read": 0.7}),
     ("gcache (NVMe, shm staging)", "raw disk (dd direct)", {"write": None, "read": 0.7}),
 ]
 TARGET_SIZE = 1 << 20
 ALL_SIZES = {"raw disk (dd direct)"}  # peers whose target holds at every size
 # Targets at other sizes than TARGET_SIZE, per (peer, size), for every op of the pair.
-# Issue 12: TCP 16 MiB >= 0.9x iperf3 (1 MiB >= 0.8x is the pair's own target).
+# TCP 16 MiB >= 0.9x iperf3 (1 MiB >= 0.8x is the pair's own target).
 SIZE_TARGETS: dict[tuple[str, int], float] = {("iperf3 loopback TCP", 16 << 20): 0.9}
 IPERF = "iperf3 loopback TCP"
 

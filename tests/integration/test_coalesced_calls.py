@@ -1,5 +1,5 @@
-"""Calls issued in one event-loop pass go out in one ``sendmsg`` (issue 12, round
-two): the client queues frames without payload and flushes them at the end of the
+"""Calls issued in one event-loop pass go out in one ``sendmsg``:
+the client queues frames without payload and flushes them at the end of the
 pass; the meta answers every request already buffered whole and sends the replies
 together. Each request is still answered on its own, in order, against a real meta:
 a bad one among them gets its own ``ERROR`` and the others their results; leases

@@ -1,5 +1,5 @@
 """An unpaced write burst into a server with an NVMe tier keeps what is worth keeping
-(issue 10, round four): a real meta and server, puts of 3x the DRAM segment back to
+a real meta and server, puts of 3x the DRAM segment back to
 back with no pause. Continuous demotion keeps the server's disk busy, the server
 reports each finished batch at once, and a put that finds DRAM full while
 demotions are in flight waits for them in the meta instead of dropping cached

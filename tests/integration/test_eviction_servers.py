@@ -1,4 +1,4 @@
-"""Eviction across servers, against real daemons (issue 9): with two servers, an old
+"""Eviction across servers, against real daemons: with two servers, an old
 long prompt whose blocks sit on both (its leaf on one, interior blocks on the
 other) used to make the meta evict every fresh prompt right after its commit,
 since each server's eviction order saw only its own objects and the old prompt's

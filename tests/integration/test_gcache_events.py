@@ -1,4 +1,4 @@
-"""The meta's removal feed against real daemons (issue 13): a real meta and server,
+"""The meta's removal feed against real daemons: a real meta and server,
 a real client filling a small store; ``WatchRemovals`` streams exactly the blocks
 that left GCache; the subscriber ends with its call; a tenant watches only its own
 namespaces; a restarted meta reads as a gap."""

@@ -1,4 +1,4 @@
-"""Issue 9: dropping a server must cost the meta time in proportion to that server's
+"""Dropping a server must cost the meta time in proportion to that server's
 objects, not to the whole index. The old ``drop_server`` walked every entry of every
 namespace on the event loop (0.74 s at 500k blocks, seconds at 10M): while it ran no
 heartbeat was answered, long enough at a large index to drop healthy servers too.

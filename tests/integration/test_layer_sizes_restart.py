@@ -1,4 +1,4 @@
-"""Layouts whose layers in one group differ in size survive restarts (issue 10).
+"""Layouts whose layers in one group differ in size survive restarts.
 
 A real gcache-meta and gcache-server; a namespace whose full-attention layers
 have 2 and 1 KV heads (and so do its sliding-window layers). Prompts are put,

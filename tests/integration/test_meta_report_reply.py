@@ -1,4 +1,4 @@
-"""ReportObjects against a real gcache-meta (issue 10 round 2, N4): the reply accounts
+"""ReportObjects against a real gcache-meta: the reply accounts
 for every reported record: adopted + dropped + parked (still waiting for a parent
 block another server may report) = reported."""
 

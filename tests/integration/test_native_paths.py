@@ -1,4 +1,4 @@
-"""The client's byte paths on the native kernels (issue 12), against a real meta and
+"""The client's byte paths on the native kernels, against a real meta and
 servers, over TCP and shared memory: puts checksum (and over shared memory copy)
 with ``copy_checksums``/``checksums``, reads verify with them, and objects large
 enough to be split across the kernel's threads come back byte-exact, or as a miss
@@ -99,7 +99,7 @@ def test_a_hybrid_model_round_trips_layer_by_layer(
     bclient.release(m)
 
 
-# ---- round two (E): one native call per layer, read-ahead by bytes, layer order ----
+# ---- one native call per layer, read-ahead by bytes, layer order ----
 
 NTOK = 64 * 8  # MiMo-V2-Flash, 8 blocks of 64: a full layer is 1.3 MB (a copy-thread job)
 

@@ -1,5 +1,5 @@
 """Tier-1 (NVMe) READs served in pieces, pipelined with the send and with the
-connection's next READs (issue 10, round four: gcache/server/nvme_reads.py).
+connection's next READs (gcache/server/nvme_reads.py).
 
 Real meta + server with an NVMe tier; objects are put, pushed out of a small DRAM
 segment by filler puts until the meta lists them on tier 1, then read back

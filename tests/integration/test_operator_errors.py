@@ -1,5 +1,5 @@
 """What an operator sees when something is wrong: one line naming the key or the
-port on stderr, a non-zero exit, never a traceback (issue 9).
+port on stderr, a non-zero exit, never a traceback.
 
 Every test starts the real console scripts (``gcache-meta``, ``gcache-server``,
 ``gcache``, ``gcache-bench``) as subprocesses."""

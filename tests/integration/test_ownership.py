@@ -1,4 +1,4 @@
-"""Puts and leases belong to the hot-path connection that made them (issue 9),
+"""Puts and leases belong to the hot-path connection that made them,
 against a real meta and server: another connection cannot commit, abort or
 release them, a closed connection's puts and leases end at once, and a write
 grant of an aborted put can never change an object committed after it."""

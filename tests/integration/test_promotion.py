@@ -1,4 +1,4 @@
-"""Promotion back to DRAM on repeated hits, end to end (issue 10 round 2, N4): a real
+"""Promotion back to DRAM on repeated hits, end to end: a real
 meta with ``--promotion hits:2`` and a real server with an NVMe tier. Objects
 demoted to NVMe and read twice are copied back into DRAM by their server (at a
 range the meta allocated), the index switches to the DRAM copy, the NVMe copy is

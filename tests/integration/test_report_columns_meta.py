@@ -1,4 +1,4 @@
-"""A real gcache-meta and a columnar ReportObjects (issue 10): a truncated chunk is
+"""A real gcache-meta and a columnar ReportObjects: a truncated chunk is
 refused with INVALID_ARGUMENT and one log line, nothing of it adopted, what earlier
 chunks adopted kept."""
 

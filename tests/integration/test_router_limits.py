@@ -1,4 +1,4 @@
-"""Bounded memory and connections for gcache-router (issue 9, "later the router"):
+"""Bounded memory and connections for gcache-router:
 its framed hot path under the meta's limits (body limit, key count refused from the
 array header, idle timeout, connections per peer answered E_BUSY, rate-limited
 bad-frame logs) and its HTTP front (body limit, connections per peer answered 503,

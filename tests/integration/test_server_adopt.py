@@ -1,5 +1,5 @@
 """Recording committed objects (heartbeat ``adopt``) reads none of their bytes, and a
-restart checks them against the checksums their putter computed (issue 10).
+restart checks them against the checksums their putter computed.
 
 A real ``gcache-server`` with a scripted control plane (the harness of
 ``test_server_restart.py``). The old server hashed every adopted object on its event

@@ -1,4 +1,4 @@
-"""A real ``gcache-server`` killed and restarted (issue 10, server side).
+"""A real ``gcache-server`` killed and restarted: what the server keeps.
 
 The server is a real process with a real segment in the tmpfs and a real NVMe tier
 on disk. Its control plane is a scripted meta (:class:`ScriptedMeta`, an in-process

@@ -63,7 +63,7 @@ def test_fill_past_dram_demotes_and_nvme_reads_are_byte_exact(
 
 
 def test_server_with_fresh_nvme_dir_stays_up_and_holds_its_lock(tmp_path: Path) -> None:
-    """Issue 10 round 2, defect 1: ``with LocalDeployment(...) as d: d.start()``
+    """A defect this guards against: ``with LocalDeployment(...) as d: d.start()``
     started a second meta and a second ``server0`` on the same NVMe directory; the
     second one exited ~0.4 s after registering with "the NVMe directory ... is in
     use by another gcache-server" (the first deployment leaked). A second start()

@@ -1,4 +1,4 @@
-"""End to end (issue 13): a real vLLM (CPU build, toy Llama) with the GCache
+"""End to end: a real vLLM (CPU build, toy Llama) with the GCache
 connector and vLLM's own ZMQ KV events, a real meta + server, a real
 ``gcache-router`` (pool match from the events: no meta configured for it).
 
@@ -128,7 +128,7 @@ def test_router_scores_gcache_blocks_until_gcache_evicts_them(tmp_path: Path) ->
 
 
 def test_request_aborted_mid_load_frees_its_blocks_and_lease(tmp_path: Path) -> None:
-    """Issue 13: a request aborted while its (async) load from GCache is in flight
+    """A request aborted while its (async) load from GCache is in flight
     gives vLLM its blocks back once the load is over, holds no lease in the meta,
     and the next request for the same prompt loads it and produces the same tokens
     and logprobs as the run that stored it."""

@@ -1,4 +1,4 @@
-"""The client's put logs a failed SEAL at a bounded rate (issue 10, N6): while a
+"""The client's put logs a failed SEAL at a bounded rate: while a
 server is down every put's seal on it fails, and one WARNING per put flooded the
 log. Real meta, server and client; the server is killed with SIGKILL."""
 

@@ -1,4 +1,4 @@
-"""Client per-operation paths (issue 12, round two): releases batched without a
+"""Client per-operation paths: releases batched without a
 timer armed and cancelled per read, and one awaitable awaited in place (no task)."""
 
 from __future__ import annotations

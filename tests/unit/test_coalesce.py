@@ -1,4 +1,4 @@
-"""Coalesced frames (issue 12, round two), without daemons: the parser tells a
+"""Coalesced frames, without daemons: the parser tells a
 whole buffered frame from a partial one, queued frames go out ahead of the next
 send in one ``sendmsg`` and in order (also after a partial send), and lease ids
 come from a batched CSPRNG draw; the meta's key-count check keeps refusing every

@@ -60,7 +60,7 @@ def test_ratios_use_like_for_like_shapes_and_best_anchor() -> None:
 
 
 def test_tcp_16mib_targets_09x_iperf3_and_runs_only_in_flight() -> None:
-    """Issue 12: TCP 1 MiB >= 0.8x and 16 MiB >= 0.9x iperf3, read and write; the 16 MiB
+    """TCP targets: 1 MiB >= 0.8x and 16 MiB >= 0.9x iperf3, read and write; the 16 MiB
     anchor is iperf3's best block size (it refuses -l 16 MiB); 16 MiB GCache runs only
     over TCP with operations in flight, at most TCP_EXTRA_BYTES per op."""
     from bench.compare.__main__ import TCP_EXTRA_BYTES, _runs
@@ -107,7 +107,7 @@ def test_chart_and_human(tmp_path: Any) -> None:
 
 
 def test_nvme_rows_ratio_against_raw_dd_at_every_size() -> None:
-    """Issue 10: GCache's NVMe write/read against dd direct on the same directory,
+    """NVMe targets: GCache's NVMe write/read against dd direct on the same directory,
     target 0.7x at 1 MiB and 16 MiB alike; dd's summary line is parsed."""
     from bench.compare.nvme import GCACHE, RAW, parse_dd
 
@@ -133,7 +133,7 @@ def test_nvme_rows_ratio_against_raw_dd_at_every_size() -> None:
 
 
 def test_shm_batched_read_target_is_one_times_mooncake_memcpy() -> None:
-    """Issue 12: shm read 1 MiB, 4 in flight (the batched shape) >= 1.0x Mooncake's
+    """Shared-memory target: read 1 MiB, 4 in flight (the batched shape) >= 1.0x Mooncake's
     same-host memcpy path."""
     rows = [
         row("gcache (SHM, batched)", "read", MIB, 6.0),

@@ -336,7 +336,7 @@ def test_from_args_bad_value() -> None:
         from_args(MetaConfig, args)
 
 
-# ---- issue 9: refused at start with one line naming the key --------------------------
+# ---- refused at start with one line naming the key --------------------------
 
 
 def test_size_one_letter_units_are_binary() -> None:

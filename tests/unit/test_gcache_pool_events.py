@@ -1,4 +1,4 @@
-"""GCache-medium KV events (issue 13), without processes: the router keeps blocks
+"""GCache-medium KV events, without processes: the router keeps blocks
 announced with medium GCACHE as pool blocks (every instance may load them), not
 as the announcing instance's own memory, and stops counting them once retracted;
 the connector's table of announced blocks retracts what the meta removed, the

@@ -1,4 +1,4 @@
-"""Per-layer byte lengths in a server's records (issue 10): objects whose layers
+"""Per-layer byte lengths in a server's records: objects whose layers
 differ in size are checked layer by layer at restart (DRAM manifest) and keep their
 lengths on the NVMe tier (version 2 record headers); records without lengths (equal
 layers, and everything older servers wrote) read as before."""

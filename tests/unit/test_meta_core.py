@@ -290,7 +290,7 @@ def test_layout_with_only_windowed_layers() -> None:
     assert lookup(core, fp, toks[:12]).tokens == 0
 
 
-# ---- issue 9: owned ids, session end, bounded puts, quarantine, eviction, drop ------
+# ---- owned ids, session end, bounded puts, quarantine, eviction, drop ------
 
 
 def begin(

@@ -1,4 +1,4 @@
-"""The demotion pipeline's decisions in the meta (issue 10, round four): continuous
+"""The demotion pipeline's decisions in the meta: continuous
 demotion above ``demote_watermark``, a heartbeat reply that carries the demotions
 its own report made room for, and puts that wait for demotions in flight
 (``PutWait``) instead of dropping worth-keeping objects. MetaCore is driven

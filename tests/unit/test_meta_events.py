@@ -1,4 +1,4 @@
-"""The meta's removal feed (issue 13, ``gcache/meta/events.py``): what counts as a
+"""The meta's removal feed (``gcache/meta/events.py``): what counts as a
 removal (evictions, NVMe evictions, a lost server; not a demotion to NVMe), the
 bounded ring with explicit gaps, the bound on subscribers, recording only while
 watched. MetaCore driven directly, no processes."""

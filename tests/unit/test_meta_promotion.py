@@ -1,4 +1,4 @@
-"""Promotion back to DRAM on repeated hits (meta.promotion = "hits:N", issue 10): the
+"""Promotion back to DRAM on repeated hits (meta.promotion = "hits:N"): the
 meta allocates the DRAM range, the server copies and reports, the index switches
 to the DRAM copy and the NVMe copy is deleted (after its last read lease). MetaCore
 is driven directly; the server's side is played by the test."""

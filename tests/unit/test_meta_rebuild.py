@@ -1,4 +1,4 @@
-"""Rebuild speed measures (issue 10 round 2, N4): the cyclic GC paused during reports
+"""Rebuild speed measures: the cyclic GC paused during reports
 and the rebuilt index frozen out of it, index records in no reference cycle once
 unlinked, a stalled meta crediting its servers, and records adopted in block order
 without a detour through the parked books."""
@@ -68,7 +68,7 @@ def test_reports_in_block_order_are_adopted_without_parking() -> None:
     old, fp = make(servers=2)
     for p in range(6):
         put(old, fp, toks(p, 8), float(p))
-    # Both servers' records, parents first (as servers stream them since round 2).
+    # Both servers' records, parents first (as servers stream them).
     reps = sorted(
         [("s0", r) for r in report_of(old, "s0")] + [("s1", r) for r in report_of(old, "s1")],
         key=lambda sr: sr[1].pos,

@@ -1,4 +1,4 @@
-"""The meta's side of issue 10: demotion decisions, NVMe watermarks, the index
+"""The meta's side of the NVMe tier: demotion decisions, NVMe watermarks, the index
 rebuilt from the servers' reports, no placement before a report is complete,
 the epoch in grants, and placement's write balance. No processes: MetaCore is
 driven directly, the servers' side is played by the test (heartbeats with
@@ -420,7 +420,7 @@ def test_a_restarted_empty_server_is_not_flooded() -> None:
     assert counts["s2"] > counts["s0"], counts  # but it does take more
 
 
-# ---- adopt outbox: lossless, bounded by backpressure (issue 10 round 2, N4) ------------
+# ---- adopt outbox: lossless, bounded by backpressure ------------------------------------
 
 
 def test_full_adopt_outbox_pauses_placement_and_loses_no_commit() -> None:

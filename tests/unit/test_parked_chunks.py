@@ -1,5 +1,5 @@
 """Chunks reported for a namespace not registered yet are parked whole, in their
-columns (issue 10, G1): adopted in one merged pass when the namespace registers,
+columns: adopted in one merged pass when the namespace registers,
 their DRAM ranges held meanwhile and freed when they expire; bulk admission keeps
 the LRU order."""
 

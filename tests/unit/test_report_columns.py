@@ -1,4 +1,4 @@
-"""Columnar ReportObjects chunks (issue 10, meta rebuild): encode/decode round trip,
+"""Columnar ReportObjects chunks (the meta's rebuild): encode/decode round trip,
 block order whatever the server sent, and bad input refused whole with a clear
 error (nothing of the chunk adopted). A real gcache-meta refusing a bad chunk:
 tests/integration/test_report_columns_meta.py."""

@@ -1,4 +1,4 @@
-"""A heartbeat reply's demotions are written and reported in two jobs (issue 10, H2).
+"""A heartbeat reply's demotions are written and reported in two jobs.
 
 With one job per reply, a reply that held all of DRAM (16 MiB objects in a
 128 MiB segment) was reported only when the last object was on the disk; the

@@ -37,7 +37,7 @@ SAMPLES: list[tuple[wire.Msg, int]] = [
     (wire.Routed("i0", "http://127.0.0.1:1", 1, 2, 0.5, "affinity"), 41),
     (wire.ReportHits("i0", 128, 64, 64), 42),
     (wire.ReportLoad("i0", 1, 2, 300, 4, "http://127.0.0.1:1"), 43),
-    # Issue 10 round four (B): server counters and the staging area.
+    # Server counters and the staging area.
     (wire.ServerStats(), 15),
     (wire.ServerStatsReply({"staging_ranges": 0.0, "nvme_read_pieces": 12.0}), 16),
     (wire.ReadStaged([GRANT], [(0, 0, 4096)], [7]), 17),
