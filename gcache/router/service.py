@@ -127,8 +127,8 @@ class RouterCore:
             ttl_s=cfg.instance_ttl_s,
             forget_s=cfg.instance_forget_s,
         )
-        # Blocks engines announced in the GCache pool (KV events with medium GCACHE,
-        # issue 13): the pool match when no meta is configured for it.
+        # Blocks engines announced in the GCache pool (KV events with medium
+        # GCACHE): the pool match when no meta is configured for it.
         self.pool_index = FleetIndex(
             self.layout,
             max_instances=cfg.max_instances,
