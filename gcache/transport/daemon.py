@@ -123,6 +123,7 @@ class FramedDaemon:
     ) -> None:
         self.listener = listener
         self.what = what
+        self.label = what or "data-plane"  # in log lines
         self.log = log
         self.limiter = limiter
         self.max_body = max_body
@@ -239,24 +240,22 @@ class FramedDaemon:
             self.bad_frame_log.log(
                 time.monotonic(),
                 "closing %s connection from %s: %s",
-                self.what or "data-plane",
+                self.label,
                 stream.peer,
                 exc,
             )
         except SendTimeout as exc:  # a client that stopped reading its replies
             self.limiter.send_timeouts += 1
-            self.refused_log.log(
-                time.monotonic(), "closing %s connection: %s", self.what or "data-plane", exc
-            )
+            self.refused_log.log(time.monotonic(), "closing %s connection: %s", self.label, exc)
         except GCacheError as exc:
             if self.request_log is not None:
                 self.request_log.log(
                     time.monotonic(), "connection from %s ended: %s", stream.peer, exc
                 )
             else:
-                self.log.debug("%s connection from %s ended: %s", self.what, stream.peer, exc)
+                self.log.debug("%s connection from %s ended: %s", self.label, stream.peer, exc)
         except Exception:  # a bug must cost one connection, never the daemon
-            self.log.exception("internal error on %s connection from %s", self.what, stream.peer)
+            self.log.exception("internal error on %s connection from %s", self.label, stream.peer)
         finally:
             stream.close()
             await c.closed()
