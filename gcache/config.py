@@ -1,4 +1,7 @@
 """Typed settings. Defaults live here and only here.
+One file on purpose: the value objects of every component (plain frozen
+dataclasses, no logic beyond validation) side by side, so every default and the
+one loader/flag generator that reads them all are in one place.
 
 Each component has one frozen dataclass. Values come, later winning, from the
 defaults, a TOML config file (section ``[meta]``, ``[server]`` or ``[client]``),
@@ -228,7 +231,7 @@ class MetaConfig:
     max_connections_per_peer: int = _doc(
         "hot-path connections open at once from one address", default=1024
     )
-    # -- issue 10: tiers and restarts (gcache/meta/tiers.py, rebuild.py; N2) --
+    # -- tiers and restarts (gcache/meta/tiers.py, rebuild.py) --
     demote: bool = _doc(
         "above high_watermark, copy DRAM objects worth a disk write to their server's "
         "NVMe tier instead of dropping them",
@@ -287,7 +290,7 @@ class MetaConfig:
         "time constant of the recent write load placement balances against free space",
         default=10.0,
     )
-    # -- issue 13: removal feed for KV events (gcache/meta/events.py) --
+    # -- removal feed for KV events (gcache/meta/events.py) --
     event_ring: int = _doc(
         "removals kept per watched namespace for WatchRemovals subscribers; one that "
         "falls further behind is told it missed some (a gap)",
@@ -428,7 +431,7 @@ class ServerConfig:
     max_connections_per_peer: int = _doc(
         "data-plane connections open at once from one address", default=1024
     )
-    # -- issue 10: NVMe tier and restarts (gcache/storage/nvme.py, manifest.py; N1) --
+    # -- NVMe tier and restarts (gcache/storage/nvme.py, manifest.py) --
     nvme_path: str = _doc("directory of the NVMe tier's files", default="")
     nvme_size: str = _doc("size of the NVMe tier (e.g. 64GiB); 0 = no NVMe tier", default="0")
     nvme_direct: bool = _doc(
@@ -440,7 +443,7 @@ class ServerConfig:
         "and checksums decide what is kept); off: DRAM starts empty",
         default=True,
     )
-    # -- issue 10 round four: staging area for same-host tier-1 reads (server/staging.py) --
+    # -- staging area for same-host tier-1 reads (server/staging.py) --
     staging_size: str = _doc(
         "tmpfs staging file (in shm_dir) that NVMe objects are read into for clients on "
         "this host; 0 = off (they read over TCP)",
@@ -540,7 +543,7 @@ class ClientConfig:
         default="",
     )
     instance_id: str = _doc("this engine instance's id at the router", default="")
-    # -- issue 10: load or recompute (client/gcache_client/tiers.py; N2) --
+    # -- load or recompute (client/gcache_client/tiers.py) --
     load_or_recompute: bool = _doc(
         "match() stops where fetching the rest of the match (at the servers' measured "
         "tier bandwidths) would take longer than recomputing it",

@@ -156,7 +156,7 @@ class Refusal(Exception):
 
 
 class PutWait(Refusal):
-    """A put found DRAM full while demotions in flight will make its room (issue 10):
+    """A put found DRAM full while demotions in flight will make its room:
     the meta's hot path holds it and places it again when they are reported (at
     most ``meta.put_wait_s``). Anything that does not wait answers it ``E_BUSY``."""
 

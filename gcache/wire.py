@@ -97,7 +97,7 @@ class Grant(Msg):
     length: int
     expiry_ms: int
     tag: bytes
-    # Issue 10: which tier the range lies in (0 = DRAM segment, 1 = NVMe tier,
+    # Which tier the range lies in (0 = DRAM segment, 1 = NVMe tier,
     # read-only), and the meta epoch that minted it (a server refuses write
     # grants of an epoch older than the meta it registered with). Both are
     # covered by the tag.

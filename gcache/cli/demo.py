@@ -62,8 +62,7 @@ def synthetic_kv(
     n = len(block_keys)
     kv = []
     for layer, spec in enumerate(layout.spec.layers):
-        tail = layout.group_tail_blocks[layout.layer_group[layer]]
-        first = 0 if tail is None else max(0, n - tail)
+        first = layout.window_blocks(layout.layer_group[layer], n).start
         rows_k = spec.kv_heads * spec.k_head_dim
         rows_v = spec.kv_heads * spec.v_head_dim
         k = np.empty((n - first, bs, rows_k), np.uint16)

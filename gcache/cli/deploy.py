@@ -1,6 +1,8 @@
 """A local deployment: one ``gcache-meta`` and N ``gcache-server`` processes on
 loopback, started as real subprocesses. ``gcache up`` and the integration tests
-both use it."""
+both use it.
+One file: the whole life of a local deployment (ports, start order, readiness,
+restarts, teardown), which ``gcache up`` and the tests drive as one object."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""``gcache``: ``up`` (a whole local deployment), ``status``, ``demo`` and ``replay``."""
+"""``gcache``: ``up`` (a whole local deployment), ``status``, ``demo`` and ``replay``.
+One file: the argument parser of every subcommand and its thin driver; the work
+is in the modules each one calls."""
 
 from __future__ import annotations
 

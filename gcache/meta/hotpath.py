@@ -8,6 +8,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gcache import wire
@@ -15,24 +16,16 @@ from gcache.auth import Authenticator
 from gcache.errors import (
     E_ACCESS_DENIED,
     E_BAD_REQUEST,
-    E_INTERNAL,
     E_NOT_LEADER,
-    GCacheError,
     InvalidBody,
-    ProtocolError,
     PutWait,
     Refusal,
-    SendTimeout,
 )
 from gcache.meta.core import MetaCore
 from gcache.meta.session import Session
+from gcache.transport.daemon import Connection, FramedDaemon, Reply
 from gcache.transport.framing import peek_array_field
-from gcache.transport.limits import (
-    Conn,
-    ConnectionLimiter,
-    RateLimitedLog,
-    accept_admitted,
-)
+from gcache.transport.limits import Conn, ConnectionLimiter
 from gcache.transport.stream import BodyCheck, FrameStream
 
 log = logging.getLogger("gcache.meta.hotpath")
@@ -59,6 +52,55 @@ def hello(auth: Authenticator | None, session: Session, msg: wire.Hello) -> wire
     session.principal = who
     session.authenticated = True
     return wire.Ok(1)
+
+
+def lookup(core: MetaCore, session: Session, msg: wire.Lookup, now: float, wait: bool) -> wire.Msg:
+    for lease_id in msg.release:
+        core.release(lease_id, session)
+    return core.lookup(msg, now, time.time(), session)
+
+
+def put_begin(
+    core: MetaCore, session: Session, msg: wire.PutBegin, now: float, wait: bool
+) -> wire.Msg:
+    return core.put_begin(msg, now, time.time(), session, wait)
+
+
+def put_commit(
+    core: MetaCore, session: Session, msg: wire.PutCommit, now: float, wait: bool
+) -> wire.Msg:
+    return wire.Ok(core.put_commit(msg, now, session))
+
+
+def put_abort(
+    core: MetaCore, session: Session, msg: wire.PutAbort, now: float, wait: bool
+) -> wire.Msg:
+    return wire.Ok(int(core.put_abort(msg.put_id, session)))
+
+
+def release(
+    core: MetaCore, session: Session, msg: wire.Release, now: float, wait: bool
+) -> wire.Msg:
+    released = int(core.release(msg.lease_id, session))
+    for lease_id in msg.also:
+        released += core.release(lease_id, session)
+    return wire.Ok(released)
+
+
+def ping(core: MetaCore, session: Session, msg: wire.Ping, now: float, wait: bool) -> wire.Msg:
+    return wire.Ok(0)
+
+
+# Message type -> the function that serves it (``HELLO`` is served before the
+# authentication check, by :func:`hello`).
+HANDLERS: dict[int, Callable[[MetaCore, Session, Any, float, bool], wire.Msg]] = {
+    wire.T_LOOKUP: lookup,
+    wire.T_PUT_BEGIN: put_begin,
+    wire.T_PUT_COMMIT: put_commit,
+    wire.T_PUT_ABORT: put_abort,
+    wire.T_RELEASE: release,
+    wire.T_PING: ping,
+}
 
 
 def dispatch(
@@ -88,25 +130,10 @@ def dispatch(
         and msg_type != wire.T_PING
     ):
         raise Refusal(E_ACCESS_DENIED, "not authenticated: send HELLO with an access token first")
-    wall = time.time()
-    if msg_type == wire.T_LOOKUP:
-        for lease_id in msg.release:
-            core.release(lease_id, session)
-        return core.lookup(msg, now, wall, session)
-    if msg_type == wire.T_PUT_BEGIN:
-        return core.put_begin(msg, now, wall, session, wait)
-    if msg_type == wire.T_PUT_COMMIT:
-        return wire.Ok(core.put_commit(msg, now, session))
-    if msg_type == wire.T_PUT_ABORT:
-        return wire.Ok(int(core.put_abort(msg.put_id, session)))
-    if msg_type == wire.T_RELEASE:
-        released = int(core.release(msg.lease_id, session))
-        for lease_id in msg.also:
-            released += core.release(lease_id, session)
-        return wire.Ok(released)
-    if msg_type == wire.T_PING:
-        return wire.Ok(0)
-    raise Refusal(E_BAD_REQUEST, f"message type {msg_type} not served by the meta")
+    handler = HANDLERS.get(msg_type)
+    if handler is None:
+        raise Refusal(E_BAD_REQUEST, f"message type {msg_type} not served by the meta")
+    return handler(core, session, msg, now, wait)
 
 
 def key_count_check(max_keys: int) -> BodyCheck:
@@ -130,120 +157,72 @@ def key_count_check(max_keys: int) -> BodyCheck:
     return check
 
 
-class HotPathServer:
+class MetaConnection(Connection):
+    """One client's connection to the hot path: its session (authentication,
+    puts and leases, ended with the connection)."""
+
+    daemon: HotPathServer
+
+    def __init__(self, daemon: FramedDaemon, stream: FrameStream, conn: Conn | None) -> None:
+        super().__init__(daemon, stream, conn)
+        self.session = Session(peer=str(stream.peer))
+
+    def handle(self, head: wire.FrameHead, msg: Any) -> Reply:
+        d = self.daemon
+        try:
+            return dispatch(d.core, self.session, head.msg_type, msg, d.auth, d.wait)
+        except PutWait:
+            return d.put_when_room(self.session, msg)
+
+    async def closed(self) -> None:
+        self.daemon.core.end_session(
+            self.session, time.monotonic()
+        )  # puts aborted, leases released
+
+
+class HotPathServer(FramedDaemon):
+    connection_class = MetaConnection
+
     def __init__(
         self, core: MetaCore, listener: socket.socket, auth: Authenticator | None = None
     ) -> None:
-        self.core = core
-        self.listener = listener
-        self.auth = auth
-        self.connections: set[asyncio.Task[None]] = set()
-        self.protocol_errors = 0
-        self.replies = 0
-        self.reply_batches = 0  # sendmsg calls that carried replies (stats)
         cfg = core.cfg
-        self.max_body = cfg.max_body_bytes
-        self.send_timeout = cfg.send_timeout_s
-        self.limiter = ConnectionLimiter(
-            cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
+        super().__init__(
+            listener,
+            what="hot-path",
+            log=log,
+            limiter=ConnectionLimiter(
+                cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
+            ),
+            max_body=cfg.max_body_bytes,
+            send_timeout=cfg.send_timeout_s,
+            check_body=key_count_check(cfg.max_keys_per_request),
+            reply_batch=REPLY_BATCH,
+            reply_batch_bytes=REPLY_BATCH_BYTES,
         )
-        # Lines a remote peer can provoke at will: bounded rate.
-        self.bad_frame_log = RateLimitedLog(log)
-        self.refused_log = RateLimitedLog(log)
-        self.check_body = key_count_check(cfg.max_keys_per_request)
+        self.core = core
+        self.auth = auth
+        self.wait = cfg.put_wait_s > 0  # a put may wait for room
         # Set (and replaced) when servers report finished demotions: puts waiting
-        # for room (PutWait) try again (issue 10).
+        # for room (PutWait) try again.
         self._room = asyncio.Event()
         core.on_room = self._room_made
 
     def stats(self) -> dict[str, int]:
-        return {
-            **self.limiter.stats(),
-            "protocol_errors": self.protocol_errors,
-            "replies": self.replies,
-            "reply_batches": self.reply_batches,
-            **self.bad_frame_log.stats("bad_frames"),
-            **self.refused_log.stats("refused_connections"),
-        }
+        return {**super().stats(), "replies": self.replies, "reply_batches": self.reply_batches}
 
-    async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
-        stream = FrameStream(sock, max_body=self.max_body, send_timeout=self.send_timeout)
-        if conn is not None:
-            conn.close = stream.close  # the idle sweeper closes the stream
-        core = self.core
-        check_body = self.check_body
-        session = Session(peer=str(stream.peer))
-        wait = core.cfg.put_wait_s > 0  # a put may wait for room (issue 10)
-        waiting = 0  # replies queued, not sent yet
-        try:
-            while True:
-                if conn is not None:
-                    conn.idle_since = time.monotonic()
-                head = await stream.recv_head()
-                if head is None:
-                    return
-                try:
-                    msg = await stream.recv_body(head, check_body)
-                    if conn is not None:
-                        conn.idle_since = None  # in flight until answered
-                except InvalidBody as exc:  # the frame was read whole: answer, go on
-                    core.counters["refused"] += 1
-                    reply: wire.Msg = wire.Error(E_BAD_REQUEST, str(exc))
-                else:
-                    try:
-                        try:
-                            reply = dispatch(core, session, head.msg_type, msg, self.auth, wait)
-                        except PutWait:
-                            reply = await self._put_when_room(session, msg)
-                    except Refusal as r:
-                        core.counters["refused"] += 1
-                        reply = wire.Error(r.code, r.message)
-                    except Exception as exc:  # a bug must not take the meta down
-                        log.exception("internal error handling message type %d", head.msg_type)
-                        reply = wire.Error(E_INTERNAL, f"internal error: {exc!r}")
-                    # Drop the request (131072 decoded keys) now, not when the next
-                    # one arrives: an idle connection holds nothing of its last one.
-                    del msg
-                # Requests a client pipelined arrive together: answer every one already
-                # buffered whole, then send the replies in one sendmsg (one wakeup of
-                # the client, not one per reply). Bounded: at most REPLY_BATCH
-                # replies or REPLY_BATCH_BYTES wait, and never across a receive.
-                stream.queue_msg(reply, head.req_id)
-                del reply
-                waiting += 1
-                self.replies += 1
-                if (
-                    waiting >= REPLY_BATCH
-                    or stream.queued >= REPLY_BATCH_BYTES
-                    or not stream.frame_ready
-                ):
-                    waiting = 0
-                    self.reply_batches += 1
-                    await stream.flush()
-        except ProtocolError as exc:
-            self.protocol_errors += 1
-            core.counters["protocol_errors"] += 1
-            self.bad_frame_log.log(
-                time.monotonic(), "closing hot-path connection from %s: %s", stream.peer, exc
-            )
-        except SendTimeout as exc:  # a client that stopped reading its replies
-            self.limiter.send_timeouts += 1
-            self.refused_log.log(time.monotonic(), "closing hot-path connection: %s", exc)
-        except GCacheError as exc:
-            log.debug("hot-path connection from %s ended: %s", stream.peer, exc)
-        except Exception:  # a bug must cost one connection, never the daemon
-            log.exception("internal error on hot-path connection from %s", stream.peer)
-        finally:
-            core.end_session(session, time.monotonic())  # its puts aborted, leases released
-            stream.close()
-            if conn is not None:
-                self.limiter.release(conn)
+    def refused_request(self, c: Connection, head: wire.FrameHead, r: Refusal) -> None:
+        self.core.counters["refused"] += 1
+
+    def count_protocol_error(self) -> None:
+        self.protocol_errors += 1
+        self.core.counters["protocol_errors"] += 1
 
     def _room_made(self) -> None:
         self._room.set()
         self._room = asyncio.Event()
 
-    async def _put_when_room(self, session: Session, msg: Any) -> wire.Msg:
+    async def put_when_room(self, session: Session, msg: Any) -> wire.Msg:
         """A ``PutBegin`` told to wait (``PutWait``: DRAM full, demotions in flight
         will free it): place it again each time servers report finished demotions
         (``core.on_room``), for at most ``meta.put_wait_s``; the last try evicts as
@@ -263,21 +242,3 @@ class HotPathServer:
                 return dispatch(core, session, wire.T_PUT_BEGIN, msg, self.auth, not last)
             except PutWait:
                 continue
-
-    async def accept_loop(self) -> None:
-        """Accept, admit through the connection limits, serve (``accept_admitted``)."""
-        await accept_admitted(
-            self.listener,
-            self.limiter,
-            self.refused_log,
-            "hot path",
-            self.serve_connection,
-            self.connections,
-            lambda: self.listener.fileno() < 0,
-        )
-
-    async def close(self) -> None:
-        self.listener.close()
-        for t in self.connections:
-            t.cancel()
-        await asyncio.gather(*self.connections, return_exceptions=True)

@@ -1,4 +1,4 @@
-"""``gcache-router``: the KV-affinity router sidecar (issue 11).
+"""``gcache-router``: the KV-affinity router sidecar.
 
 Layers, imports one way: :mod:`.policy` (interfaces and value types, no I/O) <-
 :mod:`.index` / :mod:`.scoring` / :mod:`.baselines` (plain synchronous decision

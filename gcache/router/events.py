@@ -19,7 +19,7 @@ without parent, else from the key it gave the parent (the parent's engine hash
 must be known). Extra keys and LoRA names are mixed in per block as
 :func:`block_extra` bytes; a client routing such prompts keys them the same way.
 
-Medium ``GCACHE`` (a GCache connector's events, issue 13): the blocks are in the
+Medium ``GCACHE`` (a GCache connector's events): the blocks are in the
 GCache pool, which every instance can load from, not in the sending instance's
 memory. With a pool index (``EventIngestor(pool=...)``) they go there, under the
 sending instance (each engine retracts what it announced); any other medium is the

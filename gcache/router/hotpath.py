@@ -8,28 +8,21 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from gcache import wire
 from gcache.errors import (
-    E_BAD_REQUEST,
-    E_INTERNAL,
     E_NOT_LEADER,
     GCacheError,
     InvalidBody,
-    ProtocolError,
     Refusal,
-    SendTimeout,
 )
 from gcache.leader import MetaFinder, is_etcd
 from gcache.router.service import RouterCore
+from gcache.transport.daemon import Connection, FramedDaemon, Handler
 from gcache.transport.framing import peek_array_field
-from gcache.transport.limits import (
-    Conn,
-    ConnectionLimiter,
-    RateLimitedLog,
-    accept_admitted,
-)
+from gcache.transport.limits import ConnectionLimiter, RateLimitedLog
 from gcache.transport.stream import BodyCheck, FrameStream
 
 log = logging.getLogger("gcache.router.hotpath")
@@ -157,101 +150,54 @@ def route_key_check(max_keys: int) -> BodyCheck:
     return check
 
 
-class RouterHotPath:
+async def route(c: RouterConnection, head: wire.FrameHead, msg: wire.Route) -> wire.Msg:
+    """``ROUTE``: the pool match (a lookup on the meta) then the core's choice."""
+    d = c.daemon
+    pool = await d.pool.match(msg.keys) if d.pool is not None else 0
+    return d.core.route(msg.keys, msg.tokens, time.monotonic(), pool, msg.request_id)
+
+
+def report_hits(c: RouterConnection, head: wire.FrameHead, msg: wire.ReportHits) -> wire.Msg:
+    return c.daemon.core.report_hits(msg, time.monotonic())
+
+
+def report_load(c: RouterConnection, head: wire.FrameHead, msg: wire.ReportLoad) -> wire.Msg:
+    return c.daemon.core.report_load(msg, time.monotonic())
+
+
+def ping(c: RouterConnection, head: wire.FrameHead, msg: wire.Ping) -> wire.Msg:
+    return wire.Ok(0)
+
+
+class RouterConnection(Connection):
+    daemon: RouterHotPath
+    # Message type -> the function that serves it.
+    handlers: ClassVar[Mapping[int, Handler]] = {
+        wire.T_ROUTE: route,
+        wire.T_REPORT_HITS: report_hits,
+        wire.T_REPORT_LOAD: report_load,
+        wire.T_PING: ping,
+    }
+
+
+class RouterHotPath(FramedDaemon):
+    connection_class = RouterConnection
+
     def __init__(self, core: RouterCore, listener: socket.socket, pool: PoolMatcher | None) -> None:
-        self.core = core
-        self.listener = listener
-        self.pool = pool
         cfg = core.cfg
-        self.max_body = cfg.max_body_bytes
-        self.send_timeout = cfg.send_timeout_s
-        self.limiter = ConnectionLimiter(
-            cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
+        super().__init__(
+            listener,
+            what="router",
+            log=log,
+            limiter=ConnectionLimiter(
+                cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
+            ),
+            max_body=cfg.max_body_bytes,
+            send_timeout=cfg.send_timeout_s,
+            check_body=route_key_check(MAX_ROUTE_KEYS),
         )
-        self.connections: set[asyncio.Task[None]] = set()
-        self.protocol_errors = 0
-        self.bad_frame_log = RateLimitedLog(log)
-        self.refused_log = RateLimitedLog(log)
-        self.check_body = route_key_check(MAX_ROUTE_KEYS)
+        self.core = core
+        self.pool = pool
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **self.limiter.stats(),
-            "protocol_errors": self.protocol_errors,
-            **self.bad_frame_log.stats("bad_frames"),
-            **self.refused_log.stats("refused_connections"),
-        }
-
-    async def route(self, msg: wire.Route) -> wire.Routed:
-        pool = await self.pool.match(msg.keys) if self.pool is not None else 0
-        return self.core.route(msg.keys, msg.tokens, time.monotonic(), pool, msg.request_id)
-
-    async def handle(self, msg_type: int, msg: object) -> wire.Msg:
-        if msg_type == wire.T_ROUTE:
-            assert isinstance(msg, wire.Route)
-            return await self.route(msg)
-        return self.core.dispatch(msg_type, msg, time.monotonic())
-
-    async def serve_connection(self, sock: socket.socket, conn: Conn | None = None) -> None:
-        stream = FrameStream(sock, max_body=self.max_body, send_timeout=self.send_timeout)
-        if conn is not None:
-            conn.close = stream.close
-        try:
-            while True:
-                if conn is not None:
-                    conn.idle_since = time.monotonic()
-                head = await stream.recv_head()
-                if head is None:
-                    return
-                try:
-                    msg = await stream.recv_body(head, self.check_body)
-                    if conn is not None:
-                        conn.idle_since = None
-                except InvalidBody as exc:
-                    self.core.counters["refused"] += 1
-                    await stream.send_msg(wire.Error(E_BAD_REQUEST, str(exc)), head.req_id)
-                    continue
-                try:
-                    reply = await self.handle(head.msg_type, msg)
-                except Refusal as r:
-                    self.core.counters["refused"] += 1
-                    reply = wire.Error(r.code, r.message)
-                except Exception as exc:  # a bug must not take the router down
-                    log.exception("internal error handling message type %d", head.msg_type)
-                    reply = wire.Error(E_INTERNAL, f"internal error: {exc!r}")
-                del msg
-                await stream.send_msg(reply, head.req_id)
-        except ProtocolError as exc:
-            self.protocol_errors += 1
-            self.bad_frame_log.log(
-                time.monotonic(), "closing router connection from %s: %s", stream.peer, exc
-            )
-        except SendTimeout as exc:
-            self.limiter.send_timeouts += 1
-            self.refused_log.log(time.monotonic(), "closing router connection: %s", exc)
-        except GCacheError as exc:
-            log.debug("router connection from %s ended: %s", stream.peer, exc)
-        except Exception:
-            log.exception("internal error on router connection from %s", stream.peer)
-        finally:
-            stream.close()
-            if conn is not None:
-                self.limiter.release(conn)
-
-    async def accept_loop(self) -> None:
-        """Accept, admit through the connection limits, serve (``accept_admitted``)."""
-        await accept_admitted(
-            self.listener,
-            self.limiter,
-            self.refused_log,
-            "router",
-            self.serve_connection,
-            self.connections,
-            lambda: self.listener.fileno() < 0,
-        )
-
-    async def close(self) -> None:
-        self.listener.close()
-        for t in self.connections:
-            t.cancel()
-        await asyncio.gather(*self.connections, return_exceptions=True)
+    def refused_request(self, c: Connection, head: wire.FrameHead, r: Refusal) -> None:
+        self.core.counters["refused"] += 1

@@ -93,7 +93,8 @@ class FleetIndex:
         self.full_group = layout.group_windows.index(0) if 0 in layout.group_windows else -1
         # group -> key -> bitmask of instance slots holding that group's object
         self.holders: list[dict[bytes, int]] = [{} for _ in range(layout.num_groups)]
-        self._windowed = [(g, t) for g, t in enumerate(layout.group_tail_blocks) if t is not None]
+        self._window_blocks = layout.window_blocks  # the window rule (gcache/layout.py)
+        self._windowed = [g for g, t in enumerate(layout.group_tail_blocks) if t is not None]
         self.instances: dict[str, Instance] = {}
         self.by_slot: list[Instance | None] = [None] * max_instances
         self.counters: dict[str, int] = {
@@ -348,15 +349,17 @@ class FleetIndex:
 
     def _window_ok(self, keys: Sequence[bytes], top: int) -> list[int]:
         """``ok[p]`` for p in 0..top: bitmask of slots holding, for every windowed
-        group, the objects of blocks ``[max(0, p - tail), p)``."""
+        group, the objects of the blocks a match ending at p needs
+        (``Layout.window_blocks``)."""
         ok = [-1] * (top + 1)
         ok[0] = 0
-        for g, tail in self._windowed:
+        window_blocks = self._window_blocks
+        for g in self._windowed:
             get = self.holders[g].get
             held = [get(keys[j], 0) for j in range(top)]
             for p in range(1, top + 1):
                 m = ok[p]
-                for j in range(max(0, p - tail), p):
+                for j in window_blocks(g, p):
                     m &= held[j]
                 ok[p] = m
         return ok

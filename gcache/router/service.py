@@ -127,8 +127,8 @@ class RouterCore:
             ttl_s=cfg.instance_ttl_s,
             forget_s=cfg.instance_forget_s,
         )
-        # Blocks engines announced in the GCache pool (KV events with medium GCACHE,
-        # issue 13): the pool match when no meta is configured for it.
+        # Blocks engines announced in the GCache pool (KV events with medium
+        # GCACHE): the pool match when no meta is configured for it.
         self.pool_index = FleetIndex(
             self.layout,
             max_instances=cfg.max_instances,
@@ -223,16 +223,6 @@ class RouterCore:
             raise Refusal(E_BAD_REQUEST, str(exc)) from exc
         self.counters["hit_reports"] += 1
         return wire.Ok(0)
-
-    def dispatch(self, msg_type: int, msg: Any, now: float) -> wire.Msg:
-        """Hot-path requests other than ``ROUTE`` (which needs the pool lookup)."""
-        if msg_type == wire.T_REPORT_LOAD:
-            return self.report_load(msg, now)
-        if msg_type == wire.T_REPORT_HITS:
-            return self.report_hits(msg, now)
-        if msg_type == wire.T_PING:
-            return wire.Ok(0)
-        raise Refusal(E_BAD_REQUEST, f"message type {msg_type} not served by the router")
 
     def events(self, instance: str, seq: int, payload: bytes, now: float) -> Outcome:
         return self.ingestor.ingest(instance, seq, payload, now)

@@ -159,7 +159,7 @@ class DataPlaneCore:
         # ``record_writes``), called before a receipt is returned; None: not kept.
         self.recorder = recorder
         self.recorded = self.record_failures = 0
-        # Issue 10: the NVMe tier (tier-1 read grants), and the epoch of the meta this
+        # The NVMe tier (tier-1 read grants), and the epoch of the meta this
         # server is registered with: grants minted by an older meta are refused.
         self.nvme = nvme
         self.epoch = 0
@@ -375,7 +375,7 @@ class DataPlaneCore:
                 )
             tiers = None
             if self.nvme is not None and any(g.tier for g in grants):
-                # Issue 10: NVMe ranges are read from the tier's files into the reply.
+                # NVMe ranges are read from the tier's files into the reply.
                 tiers = bytearray(grants[gi].tier for gi, _, _ in ranges)
                 disk = sum(n for n, t in zip(lengths, tiers, strict=True) if t)
                 if disk > MAX_NVME_READ:

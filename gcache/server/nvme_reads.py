@@ -1,4 +1,5 @@
-"""Pipelined tier-1 READ replies (issue 10, round four).
+"""Pipelined tier-1 READ replies (one file: the TCP and staged reply pipelines
+share their in-order sender, :class:`_InOrder`).
 
 A tier-1 READ used to read its whole object from NVMe, then send it, then take the
 next READ of the connection: disk and network in series, and one READ at a time

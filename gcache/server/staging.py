@@ -1,4 +1,4 @@
-"""The staging area: tier-1 reads for clients on the server's host (issue 10).
+"""The staging area: tier-1 reads for clients on the server's host.
 
 A client that maps the server's segment (shared-memory transport) would still get
 NVMe objects over loopback TCP: the server's ``sendmsg`` copies every byte, the

@@ -1,4 +1,4 @@
-"""READ replies that touch the NVMe tier (issue 10).
+"""READ replies that touch the NVMe tier.
 
 A tier-1 grant names an object on the server's NVMe tier: its bytes are not in the
 segment, so the reply is read from the tier's files (``os.preadv``) into one buffer

@@ -1,5 +1,4 @@
-"""What a ``gcache-server`` keeps across restarts, and its NVMe tier's control side
-(issue 10).
+"""What a ``gcache-server`` keeps across restarts, and its NVMe tier's control side.
 
 * At start (:meth:`TierState.start`): re-adopt the segment file a dead process of
   the same server id left for the same meta (renamed to this process's name), replay
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import fcntl
 import logging
 import os
 import time
@@ -37,11 +35,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import grpc
-import numpy as np
 
 from gcache._proto import gcache_pb2 as pb
 from gcache.config import ServerConfig
 from gcache.errors import GCacheError
+from gcache.server.tier_records import (
+    dram_gbps,
+    left_under_own_name,
+    proto_record,
+    record_proto,
+    remove_left_under_own_name,
+    split_batch,
+)
 from gcache.storage import columns as columnsmod
 from gcache.storage import nvme as nvmemod
 from gcache.storage.manifest import Manifest, StoredRecord, read_owner
@@ -54,112 +59,6 @@ REPORT_CHUNK: Final = 2048
 MAX_PENDING_REPORTS: Final = 1 << 16  # demotion results / lost objects not yet sent
 
 
-def split_batch(cmds: list[StoredRecord], segment: int) -> list[list[StoredRecord]]:
-    """A reply's demotions as the worker jobs they are written in (each synced and
-    reported on its own): when they hold more than half of the ``segment``-byte DRAM
-    segment, two halves by bytes, in order; else one job. One job per reply left the
-    disk idle for a heartbeat interval whenever a reply held most of DRAM (16 MiB
-    objects in a 128 MiB segment): its one report freed all the room at the end, the
-    puts waiting took it, and their demotions waited for the next tick. Smaller
-    replies stay whole (fewer syncs and reports: 1 MiB objects lost by halving)."""
-    total = sum(c.length for c in cmds)
-    if len(cmds) < 2 or 2 * total <= segment:
-        return [cmds]
-    acc, cut = 0, len(cmds) - 1
-    for i, c in enumerate(cmds[:-1]):
-        acc += c.length
-        if 2 * acc >= total:
-            cut = i + 1
-            break
-    return [cmds[:cut], cmds[cut:]]
-
-
-def _record(o: pb.StoredObject) -> StoredRecord:
-    return StoredRecord(
-        namespace=o.namespace,
-        key=o.key,
-        parent=o.parent,
-        pos=o.pos,
-        group=o.group,
-        tier=o.tier,
-        offset=o.offset,
-        length=o.length,
-        sums=o.sums,
-        seq=o.seq,
-        layer_bytes=tuple(o.layer_bytes),
-    )
-
-
-def _proto(r: StoredRecord) -> pb.StoredObject:
-    return pb.StoredObject(
-        namespace=r.namespace,
-        key=r.key,
-        parent=r.parent,
-        pos=r.pos,
-        group=r.group,
-        tier=r.tier,
-        offset=r.offset,
-        length=r.length,
-        sums=r.sums,
-        seq=r.seq,
-        layer_bytes=r.layer_bytes,
-    )
-
-
-def dram_gbps(view: memoryview, nbytes: int = 64 << 20) -> float:
-    """Read bandwidth of the segment: one timed copy of up to ``nbytes``."""
-    n = min(nbytes, len(view))
-    if n <= 0:
-        return 0.0
-    src = np.frombuffer(view[:n], np.uint8)
-    dst = np.empty(n, np.uint8)
-    np.copyto(dst, src)  # warm
-    t0 = time.perf_counter()
-    np.copyto(dst, src)
-    return n / max(time.perf_counter() - t0, 1e-9) / 1e9
-
-
-def _check_not_held(path: str) -> None:
-    """Refuse a segment file a live server holds (each keeps it locked)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise GCacheError(f"cannot open segment file {path}: {exc}") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        raise GCacheError(f"segment file {path} is in use by another process") from exc
-    finally:
-        os.close(fd)  # releases the probe's lock
-
-
-def _left_under_own_name(path: str, owner: str) -> str | None:
-    """A segment file already at this process's own name was left by an earlier run
-    with the same pid: a server restarted in a new container (its own pid
-    namespace, the server its first process) has the same pid every time. Such a
-    file of this owner is re-adopted like any dead predecessor's; ``path`` if so."""
-    if not os.path.exists(path):
-        return None
-    _check_not_held(path)
-    return path if read_owner(manifest_path(path)) == owner else None
-
-
-def _remove_left_under_own_name(path: str) -> None:
-    """A file at this process's own name that is not re-adopted (another owner, or
-    reuse off) is an earlier run's: removed, so the new segment can be created."""
-    _check_not_held(path)
-    for p in (path, manifest_path(path)):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise GCacheError(f"cannot remove the earlier run's segment file {p}: {exc}") from exc
-    log.warning("removed segment file %s an earlier run with this pid left", path)
-
-
 class TierState:
     def __init__(self, segment: Segment, manifest: Manifest, nvme: NvmeTier | None) -> None:
         self.segment = segment
@@ -170,7 +69,7 @@ class TierState:
         self.nvme_read_gbps = self.nvme_write_gbps = 0.0
         self.epoch = 0
         self.demoted: list[pb.Demoted] = []
-        self.promoted: list[pb.Promoted] = []  # N4: promotions done, for the next beat
+        self.promoted: list[pb.Promoted] = []  # promotions done, for the next beat
         self.promotions = self.promote_failures = 0
         self.demotions = self.demote_failures = self.adopted = 0
         self.reports = self.report_failures = 0
@@ -194,9 +93,9 @@ class TierState:
     @classmethod
     def start(cls, cfg: ServerConfig, server_id: str, path: str) -> TierState:
         owner = f"{server_id}@{cfg.meta}"
-        old = _left_under_own_name(path, owner) if cfg.reuse_segment else None
+        old = left_under_own_name(path, owner) if cfg.reuse_segment else None
         if old is None and os.path.exists(path):
-            _remove_left_under_own_name(path)
+            remove_left_under_own_name(path)
         if cfg.reuse_segment and old is None:
             old = Segment.adoptable(cfg.shm_dir, server_id, owner, read_owner)
             if old is not None:
@@ -272,7 +171,7 @@ class TierState:
         out = list(self.manifest)
         if self.nvme is not None:
             out.extend(list(self.nvme.records()))
-        out.sort(key=lambda r: r.pos)  # N4: report in block order (issue 10, rebuild)
+        out.sort(key=lambda r: r.pos)  # report in block order (the meta's rebuild)
         return out
 
     def fill_registration(self, req: pb.RegisterServerRequest) -> None:
@@ -303,7 +202,7 @@ class TierState:
                 if columns:
                     req.columns.CopyFrom(columnsmod.encode(part))
                 else:
-                    req.objects.extend(_proto(r) for r in part)
+                    req.objects.extend(record_proto(r) for r in part)
                 yield req
 
         try:
@@ -363,7 +262,7 @@ class TierState:
 
     def apply(self, reply: pb.HeartbeatReply) -> None:
         frees = [(r.offset, r.length) for r in reply.free]
-        adopt = [_record(o) for o in reply.adopt]
+        adopt = [proto_record(o) for o in reply.adopt]
         if frees or adopt:
             try:
                 self.adopted += self.manifest.apply(frees, adopt, self.segment.view)
@@ -379,7 +278,7 @@ class TierState:
                 )
             return
         drops = [(r.offset, r.length) for r in reply.drop_nvme]
-        cmds = [_record(c.object) for c in reply.demote]
+        cmds = [proto_record(c.object) for c in reply.demote]
         if drops or cmds:
             self._loop = asyncio.get_running_loop()
             # A reply holding most of DRAM in two jobs (H2): the first half's report
@@ -446,7 +345,7 @@ class TierState:
         self.demote_failures += sum(1 for r in out if not r.ok)
         return out
 
-    # ---- promotion (N4): NVMe -> DRAM at a range the meta allocated --------------------
+    # ---- promotion: NVMe -> DRAM at a range the meta allocated --------------------
 
     def _promote(self, cmds: list[pb.PromoteCommand]) -> None:
         """Copy NVMe objects into the DRAM ranges the meta allocated, on the worker
@@ -490,7 +389,7 @@ class TierState:
         seg = self.segment
         out: list[tuple[pb.Promoted, StoredRecord]] = []
         for cmd in cmds:
-            rec = _record(cmd.object)
+            rec = proto_record(cmd.object)
             dram, length = cmd.dram_offset, rec.length
             res = pb.Promoted(nvme_offset=rec.offset, length=length, dram_offset=dram)
             inside = length > 0 and seg.in_bounds(dram, length)
