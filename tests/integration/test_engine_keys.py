@@ -14,7 +14,13 @@ from gcache.cli.deploy import LocalDeployment
 from gcache.errors import LayoutError
 from gcache.layout import LayerSpec, LayoutSpec
 from gcache_client import GCacheClient
-from gcache_client.vllm_core import BridgeConfig, KVBridge, KVKey, match_to_wire, wire_namespace
+from gcache_client.engines.vllm.core import (
+    BridgeConfig,
+    KVBridge,
+    KVKey,
+    match_to_wire,
+    wire_namespace,
+)
 from tests.kvdata import make_kv, tokens
 
 SPEC = LayoutSpec(block_size=16, dtype="float16", layers=(LayerSpec("full", 1, 64, 64),))

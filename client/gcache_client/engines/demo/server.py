@@ -1,5 +1,5 @@
-"""``gcache-engine`` / ``python -m gcache_client.engine_server``: an OpenAI-compatible
-engine instance around the toy MiMo-V2-Flash model (:mod:`gcache_client.engine`).
+"""``gcache-engine`` / ``python -m gcache_client.engines.demo.server``: an OpenAI-compatible
+engine instance around the toy MiMo-V2-Flash model (:mod:`gcache_client.engines.demo.engine`).
 
 HTTP (aiohttp):
 
@@ -376,8 +376,8 @@ def _build(cfg: EngineConfig, instance_id: str, url: str) -> Any:
     """The model, the GCache client and the engine (slow: imports torch)."""
     import transformers
 
-    from gcache_client.engine import Engine
-    from gcache_client.kv_events import ZmqPublisher
+    from gcache_client.engines.demo.engine import Engine
+    from gcache_client.engines.kv_events import ZmqPublisher
     from gcache_client.models import tiny_mimo_v2_flash
     from gcache_client.sync import GCacheClient
 

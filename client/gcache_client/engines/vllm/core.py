@@ -39,9 +39,9 @@ from gcache import layout as laymod
 from gcache import wire
 from gcache.config import ClientConfig
 from gcache.errors import ConfigError, GCacheError, LayoutError
+from gcache_client.engines.vllm.cpus import parse_cpu_list
 from gcache_client.sync import GCacheClient
 from gcache_client.types import KVPair, Match, Namespace, PutResult
-from gcache_client.vllm_cpus import parse_cpu_list
 
 log = logging.getLogger("gcache.client.engine_bridge")
 
