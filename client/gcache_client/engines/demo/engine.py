@@ -96,10 +96,9 @@ class Engine:
         for layer in range(layout.num_layers):
             g = layout.layer_group[layer]
             li = layout.group_layers[g].index(layer)
-            tail = layout.group_tail_blocks[g]
-            first = 0 if tail is None else max(0, blocks - tail)
-            ks = [payloads[(j, g)][li][0] for j in range(first, blocks)]
-            vs = [payloads[(j, g)][li][1] for j in range(first, blocks)]
+            window = layout.window_blocks(g, blocks)
+            ks = [payloads[(j, g)][li][0] for j in window]
+            vs = [payloads[(j, g)][li][1] for j in window]
             k = torch.cat(ks).permute(1, 0, 2).unsqueeze(0)
             v = torch.cat(vs).permute(1, 0, 2).unsqueeze(0)
             lay = cache.layers[layer]
