@@ -69,7 +69,7 @@ class BridgeConfig:
     load_mode: str = "auto"
     max_async_loads: int = 64  # async loads queued per worker before a step waits
     # CPUs for the client's threads in a vLLM CPU worker: "auto" = those vLLM bound
-    # no OpenMP thread to, "none" = leave them, or a list ("1,3-4") (vllm_cpus).
+    # no OpenMP thread to, "none" = leave them, or a list ("1,3-4") (:mod:`.cpus`).
     client_cpus: str = "auto"
     store: bool = True  # False: this instance only loads (vLLM's kv_role kv_consumer)
     # KV events (with vLLM's --kv-events-config): report blocks GCache removed as

@@ -47,7 +47,7 @@ class _Scheduler:
     ) -> None:
         self.lmap = lmap
         # Matches are made in rank 0's (and stage 0's) namespace; a worker of
-        # another rank or stage matches its own shard again (vllm_worker).
+        # another rank or stage matches its own shard again (the worker).
         self.bridge = KVBridge(
             cfg,
             model_id,
