@@ -1,4 +1,4 @@
-"""The engine instance behind ``gcache-engine`` (client/gcache_client/engine.py) on a
+"""The engine instance behind ``gcache-engine`` (gcache_client.engines.demo.engine) on a
 real GCache: a prefix reused from the instance's own cache, or from the pool by an
 instance that never saw it, gives the logits of a full recompute; its local-cache
 changes reach a ZMQ subscriber as vLLM batches the router decodes.
