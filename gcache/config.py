@@ -740,7 +740,7 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """``gcache-engine`` (client/gcache_client/engine_server.py): the toy OpenAI-
+    """``gcache-engine`` (client/gcache_client/engines/demo/server.py): the toy OpenAI-
     compatible engine instance with its own prefix cache and GCache as the pool."""
 
     host: str = _doc("address the HTTP server listens on", default="127.0.0.1")

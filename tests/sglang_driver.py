@@ -1,4 +1,4 @@
-"""Runs under ``.venv-sglang/bin/python``: drives ``gcache_client.sglang`` with
+"""Runs under ``.venv-sglang/bin/python``: drives ``gcache_client.engines.sglang`` with
 SGLang's OWN classes (``HiCacheStorageConfig``, ``StorageBackendFactory``'s
 dynamic loader, ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` host pools
 on CPU, ``PoolTransfer`` / ``PoolHitPolicy``) against a running GCache deployment,

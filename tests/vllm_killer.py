@@ -10,7 +10,7 @@ import os
 import signal
 from typing import Any
 
-from gcache_client.vllm import GCacheConnector as _Base
+from gcache_client.engines.vllm.connector import GCacheConnector as _Base
 
 
 class GCacheConnector(_Base):  # type: ignore[misc]

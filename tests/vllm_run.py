@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 MM_DRIVER = ROOT / "tests" / "vllm_mm_driver.py"
+# The child imports this tree's gcache and gcache_client, ahead of an installed copy.
+TREE_PATH = os.pathsep.join([str(ROOT), str(ROOT / "client")])
 PROC_TIMEOUT = 300  # one process takes ~40 s
 
 
@@ -33,7 +35,7 @@ class Run:
         self.name, self.out, self.log = name, tmp / f"{name}.out", tmp / f"{name}.log"
         spec_path = tmp / f"{name}.json"
         spec_path.write_text(json.dumps(spec))
-        penv = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+        penv = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": TREE_PATH, **(env or {})}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [str(VLLM_PY), str(driver), str(spec_path), str(self.out)],

@@ -7,7 +7,7 @@ Builds a small MiMo-V2-Flash-architecture model from its transformers config wit
 random weights (a fixed seed; nothing is downloaded) and prints, per turn: prompt
 tokens, tokens reused from GCache, prefill time with and without reuse.
 
-The engine-side code is two calls (see gcache_client.hf.TransformersConnector):
+The engine-side code is two calls (see gcache_client.engines.hf.TransformersConnector):
 
     out = conn.prefill(prompt_ids)   # lookup + layerwise load + compute the rest + store
     # ... or by hand:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 from gcache_client import GCacheClient
-from gcache_client.chat_demo import run_chat, summary
+from gcache_client.engines.demo.chat import run_chat, summary
 
 
 def main() -> None:

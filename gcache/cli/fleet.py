@@ -73,7 +73,7 @@ def start_engine(
     ]
     if router:
         argv += ["--router", router]
-    proc = d._spawn(name, "gcache_client.engine_server", [*argv, *(args or [])])
+    proc = d._spawn(name, "gcache_client.engines.demo.server", [*argv, *(args or [])])
     d.extra.append(proc)
     host, port, fingerprint, events = d._wait_ready(proc, ready, time.monotonic() + timeout)
     proc.host, proc.port = host, int(port)

@@ -214,7 +214,7 @@ def run_workloads(cfg: ClientConfig, which: str, conversations: int, turns: int)
     ok = True
     if which in ("chat", "both"):
         try:
-            from gcache_client.chat_demo import run_chat, summary
+            from gcache_client.engines.demo.chat import run_chat, summary
         except ImportError as exc:
             print(f"\n(model workload skipped: {exc}; install the 'hf' extra)")
         else:

@@ -19,7 +19,7 @@ Bounds:
   falls more than ``ring`` events behind gets a *gap*: the events it missed are
   gone and it is told so (``Batch.gap``), then resumes at the oldest kept event.
   A subscriber that reads a gap must treat every block it reported as possibly
-  removed (the connector reports them removed, see ``gcache_client.kv_events``);
+  removed (the connector reports them removed, see ``gcache_client.engines.kv_events``);
 * at most ``max_subscribers`` subscribers in all; one more is refused
   (``FeedFull``). A subscriber belongs to the call (connection) that made it and
   ends with it (:meth:`RemovalFeed.unsubscribe`).

@@ -1,4 +1,4 @@
-"""The engine instance behind ``gcache-engine`` (client/gcache_client/engine.py) on a
+"""The engine instance behind ``gcache-engine`` (gcache_client.engines.demo.engine) on a
 real GCache: a prefix reused from the instance's own cache, or from the pool by an
 instance that never saw it, gives the logits of a full recompute; its local-cache
 changes reach a ZMQ subscriber as vLLM batches the router decodes.
@@ -19,8 +19,8 @@ zmq = pytest.importorskip("zmq")
 from gcache.cli.deploy import LocalDeployment  # noqa: E402
 from gcache.router.events import BlockRemoved, BlockStored, decode_batch  # noqa: E402
 from gcache_client import GCacheClient  # noqa: E402
-from gcache_client.engine import Engine  # noqa: E402
-from gcache_client.kv_events import ZmqPublisher  # noqa: E402
+from gcache_client.engines.demo.engine import Engine  # noqa: E402
+from gcache_client.engines.kv_events import ZmqPublisher  # noqa: E402
 from gcache_client.models import tiny_mimo_v2_flash  # noqa: E402
 
 BS = 64

@@ -14,7 +14,13 @@ from gcache.cli.deploy import LocalDeployment
 from gcache.errors import LayoutError
 from gcache.layout import LayerSpec, LayoutSpec
 from gcache_client import GCacheClient
-from gcache_client.vllm_core import BridgeConfig, KVBridge, KVKey, match_to_wire, wire_namespace
+from gcache_client.engines.vllm.core import (
+    BridgeConfig,
+    KVBridge,
+    KVKey,
+    match_to_wire,
+    wire_namespace,
+)
 from tests.kvdata import make_kv, tokens
 
 SPEC = LayoutSpec(block_size=16, dtype="float16", layers=(LayerSpec("full", 1, 64, 64),))
@@ -84,7 +90,7 @@ def test_tensor_parallel_ranks_and_stages_are_separate_shards(
         assert _hit(r1, toks, KVKey()) == 0  # rank 1 never reads rank 0's shard
         assert _hit(s1, toks, KVKey()) == 0  # nor stage 1 stage 0's
         # A match handed to another rank's worker names its namespace: the worker
-        # sees it is not its own and matches its own shard instead (vllm_worker).
+        # sees it is not its own and matches its own shard instead (engines.vllm.worker).
         m = r0.match(toks[:-1], KVKey())
         try:
             assert wire_namespace(match_to_wire(m)) == r0.namespace().fingerprint

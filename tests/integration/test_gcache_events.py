@@ -19,7 +19,7 @@ from gcache.cli.deploy import LocalDeployment
 from gcache.keys import block_keys
 from gcache.layout import LayerSpec, LayoutSpec
 from gcache_client import GCacheClient
-from gcache_client.kv_events import RemovalWatcher, ReportedBlocks, gcache_hash
+from gcache_client.engines.kv_events import RemovalWatcher, ReportedBlocks, gcache_hash
 from tests.kvdata import make_kv, tokens
 
 SMALL = LayoutSpec(

@@ -1,4 +1,4 @@
-"""The SGLang HiCache storage backend (``gcache_client.sglang``) against a real
+"""The SGLang HiCache storage backend (``gcache_client.engines.sglang``) against a real
 local deployment (meta + 2 servers), driven with SGLang 0.5.23's own classes in
 ``.venv-sglang`` (made by ``make sglang-venv``): ``HiCacheStorageConfig``,
 ``StorageBackendFactory``'s dynamic loader, ``MHATokenToKVPoolHost`` and
@@ -28,6 +28,8 @@ from gcache.cli.deploy import LocalDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+# The child imports this tree's gcache and gcache_client, ahead of an installed copy.
+TREE_PATH = os.pathsep.join([str(ROOT), str(ROOT / "client")])
 DRIVER = ROOT / "tests" / "sglang_driver.py"
 
 if not SGLANG_PY.exists():
@@ -59,7 +61,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             proc = subprocess.run(
                 [str(SGLANG_PY), str(DRIVER), str(tmp / "spec.json"), str(out)],
                 cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                env={**os.environ, "PYTHONPATH": TREE_PATH},
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 timeout=240,

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from gcache.cli.deploy import LocalDeployment  # noqa: E402
 from gcache_client import GCacheClient  # noqa: E402
-from gcache_client.hf import TransformersConnector  # noqa: E402
+from gcache_client.engines.hf import TransformersConnector  # noqa: E402
 from gcache_client.models import tiny_mimo_v2_flash  # noqa: E402
 
 BS = 64  # block size; sliding_window 129 keeps 128 rows = 2 blocks
@@ -219,7 +219,7 @@ def test_interval_checkpoint_serves_an_edited_ending(
 @torch.no_grad()
 def test_the_documented_manual_steps(conn: TransformersConnector, client: GCacheClient) -> None:
     """docs/engines.md's step-by-step prefill, on a miss then on a hit."""
-    from gcache_client.hf import WindowCapture
+    from gcache_client.engines.hf import WindowCapture
 
     tokens = rand_tokens(5 * BS, seed=50)
     ids = tokens.reshape(1, -1)

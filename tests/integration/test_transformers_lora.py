@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import peft  # noqa: E402  (a test extra: missing is an error, not a skip)
 
 from gcache_client import GCacheClient  # noqa: E402
-from gcache_client.hf import TransformersConnector, peft_identity  # noqa: E402
+from gcache_client.engines.hf import TransformersConnector, peft_identity  # noqa: E402
 from gcache_client.models import tiny_mimo_v2_flash  # noqa: E402
 
 BS = 64

@@ -1,5 +1,5 @@
 """End to end: real vLLM processes (CPU build, ``.venv-vllm``, made by
-``make vllm-venv``) with ``gcache_client.vllm.GCacheConnector`` against a real
+``make vllm-venv``) with ``gcache_client.engines.vllm.connector.GCacheConnector`` against a real
 local deployment (meta + 2 servers) per model.
 
 Per model three vLLM processes, each running all of that model's cases in one

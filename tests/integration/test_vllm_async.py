@@ -29,6 +29,7 @@ import pytest
 
 from gcache.cli.deploy import LocalDeployment
 from tests.vllm_models import write_tiny_mimo
+from tests.vllm_run import TREE_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -84,7 +85,7 @@ DRIVER = textwrap.dedent(
 KILLER = textwrap.dedent(
     """
     import os, signal, time
-    from gcache_client.vllm import GCacheConnector as _Base
+    from gcache_client.engines.vllm.connector import GCacheConnector as _Base
 
     def _gone(pid):
         try:
@@ -118,7 +119,7 @@ def run_vllm(tmp: Path, name: str, spec: dict[str, Any], env: dict[str, str]) ->
     penv = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONPATH": f"{tmp}{os.pathsep}{ROOT}",
+        "PYTHONPATH": f"{tmp}{os.pathsep}{TREE_PATH}",
         **env,
     }
     with open(log_path, "wb") as log:

@@ -1,5 +1,6 @@
-"""Encoder outputs shared through GCache (``gcache_client.vllm_ec.GCacheECConnector``)
-against a real local deployment (meta + 2 servers).
+"""Encoder outputs shared through GCache
+(``gcache_client.engines.vllm.ec.connector.GCacheECConnector``) against a real local
+deployment (meta + 2 servers).
 
 End to end: real vLLM processes (CPU build, ``.venv-vllm``; tests/vllm_mm_driver.py)
 serving the tiny BLIP-2 of tests/vllm_mm_models.py, images made from seeds:
@@ -38,7 +39,7 @@ import pytest
 import torch
 
 from gcache.cli.deploy import LocalDeployment
-from gcache_client.vllm_ec_store import (
+from gcache_client.engines.vllm.ec.store import (
     HEADER_BYTES,
     ECConfig,
     ECStore,

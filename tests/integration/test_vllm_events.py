@@ -27,6 +27,7 @@ from gcache_client import GCacheClient
 from tests.integration.test_router import Router
 from tests.kvdata import make_kv
 from tests.vllm_models import write_tiny_llama
+from tests.vllm_run import TREE_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -77,7 +78,7 @@ def test_router_scores_gcache_blocks_until_gcache_evicts_them(tmp_path: Path) ->
             }
             (tmp_path / "spec.json").write_text(json.dumps(spec))
             log = tmp_path / "vllm.log"
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": TREE_PATH}
             with open(log, "wb") as out:
                 proc = subprocess.Popen(
                     [str(VLLM_PY), str(DRIVER), str(tmp_path / "spec.json"), str(tmp_path)],
@@ -147,7 +148,7 @@ def test_request_aborted_mid_load_frees_its_blocks_and_lease(tmp_path: Path) -> 
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         out, log = tmp_path / "out.json", tmp_path / "vllm.log"
         env = {
-            **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
+            **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": TREE_PATH,
             "GCACHE_TEST_LOAD_DELAY_S": "2", "GCACHE_TEST_LOAD_MARK": str(tmp_path / "mark"),
         }  # fmt: skip
         driver = ROOT / "tests" / "vllm_abort_driver.py"

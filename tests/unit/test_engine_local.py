@@ -15,8 +15,8 @@ from gcache.keys import block_keys
 from gcache.layout import LayerSpec, Layout, LayoutSpec
 from gcache.router.events import EventIngestor, decode_batch
 from gcache.router.index import FleetIndex
-from gcache_client.kv_events import BlockRemoved, BlockStored, KVEventBatch, change_events
-from gcache_client.local_cache import LocalPrefixCache, engine_hash
+from gcache_client.engines.kv_events import BlockRemoved, BlockStored, KVEventBatch, change_events
+from gcache_client.engines.local_cache import LocalPrefixCache, engine_hash
 
 FP = bytes(range(16))
 BS = 64

@@ -9,7 +9,7 @@ from __future__ import annotations
 from gcache.config import RouterConfig
 from gcache.keys import block_keys
 from gcache.router.service import RouterCore
-from gcache_client.kv_events import ReportedBlocks, gcache_hash
+from gcache_client.engines.kv_events import ReportedBlocks, gcache_hash
 from tests.unit.test_router_events import BS, FP, VAllBlocksCleared, VBlockRemoved, batch, stored
 from tests.unit.test_router_events import tokens as toks
 
@@ -79,7 +79,7 @@ def test_each_instance_retracts_its_own_announcements() -> None:
     assert c.route(keys, len(t), 1.0).pool_blocks == 0
 
 
-# ---- the connector's table (gcache_client.kv_events.ReportedBlocks) ----------------------
+# ---- the connector's table (gcache_client.engines.kv_events.ReportedBlocks) ----------------------
 
 
 def test_reported_blocks_retract_per_engine_group_of_the_removed_layout_group() -> None:

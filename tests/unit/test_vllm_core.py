@@ -7,8 +7,13 @@ import pytest
 from gcache import layout as laymod
 from gcache import wire
 from gcache.errors import ConfigError
+from gcache_client.engines.vllm.core import (
+    BridgeConfig,
+    match_from_wire,
+    match_to_wire,
+    store_tokens,
+)
 from gcache_client.types import Match, Namespace
-from gcache_client.vllm_core import BridgeConfig, match_from_wire, match_to_wire, store_tokens
 
 
 def test_bridge_config_takes_client_fields_and_refuses_unknown() -> None:

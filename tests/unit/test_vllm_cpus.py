@@ -1,4 +1,4 @@
-"""gcache_client.vllm_cpus: where the connector's threads run in a vLLM CPU worker
+"""gcache_client.engines.vllm.cpus: where the connector's threads run in a vLLM CPU worker
 (vLLM binds its OpenMP threads one to a core; the client's copy threads must not
 preempt them), and the load mode that follows."""
 
@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from gcache.errors import ConfigError
-from gcache_client.vllm_core import BridgeConfig
-from gcache_client.vllm_cpus import (
+from gcache_client.engines.vllm.core import BridgeConfig
+from gcache_client.engines.vllm.cpus import (
     ThreadPlacer,
     client_cpus,
     omp_cpus,

@@ -1,4 +1,4 @@
-"""The encoder-output format of gcache_client.vllm_ec_store without a deployment:
+"""The encoder-output format of gcache_client.engines.vllm.ec.store without a deployment:
 settings, the header check, rows and key tokens (the store itself is tested
 against real processes in tests/integration/test_vllm_ec.py)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gcache.errors import ConfigError
-from gcache_client.vllm_ec_store import (
+from gcache_client.engines.vllm.ec.store import (
     HEADER_BYTES,
     ECConfig,
     decode,

@@ -9,8 +9,7 @@ import pytest
 
 from gcache import layout as laymod
 from gcache.errors import ConfigError, LayoutError
-from gcache_client.types import Match, Namespace
-from gcache_client.vllm_core import (
+from gcache_client.engines.vllm.core import (
     PLAIN,
     BridgeConfig,
     KVKey,
@@ -18,7 +17,8 @@ from gcache_client.vllm_core import (
     match_to_wire,
     wire_namespace,
 )
-from gcache_client.vllm_keys import AdapterFingerprints, Unkeyable
+from gcache_client.engines.vllm.keys import AdapterFingerprints, Unkeyable
+from gcache_client.types import Match, Namespace
 
 
 def _adapter(root: Path, weights: bytes) -> Path:

@@ -1,4 +1,4 @@
-"""gcache_client.vllm_paged: rows <-> vLLM's CPU paged KV cache, checked against a
+"""gcache_client.engines.vllm.paged: rows <-> vLLM's CPU paged KV cache, checked against a
 row-by-row reference (runs of consecutive blocks, partial edge blocks, vLLM's null
 block, blocks in any order)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gcache_client.vllm_paged import Seg, from_cache, kv_views, segments, to_cache  # noqa: E402
+from gcache_client.engines.vllm.paged import Seg, from_cache, kv_views, segments, to_cache  # noqa: E402
 
 NB, H, BS, D = 12, 2, 4, 3
 

@@ -1,4 +1,4 @@
-"""The worker side of :class:`gcache_client.vllm.GCacheConnector`: layerwise
+"""The worker side of :class:`gcache_client.engines.vllm.connector.GCacheConnector`: layerwise
 loads into vLLM's paged KV cache, staging of the rows a step computed, and the
 background store once a prompt's stored part is staged."""
 
@@ -19,19 +19,19 @@ from vllm.distributed.kv_events import BlockStored, KVCacheEvent
 from gcache import keys as keymod
 from gcache import layout as laymod
 from gcache_client import arrays
-from gcache_client import vllm_cpus as cpus
-from gcache_client.sync import SyncLayerStream
-from gcache_client.types import KVPair, Match, PutResult
-from gcache_client.vllm_async import AsyncLoader, LoadJob
-from gcache_client.vllm_core import (
+from gcache_client.engines.vllm import cpus
+from gcache_client.engines.vllm.async_loader import AsyncLoader, LoadJob
+from gcache_client.engines.vllm.core import (
     BridgeConfig,
     KVBridge,
     KVKey,
     match_from_wire,
     wire_namespace,
 )
-from gcache_client.vllm_meta import MEDIUM, GCacheConnectorMetadata, LayerMap, ReqStep
-from gcache_client.vllm_paged import Seg, from_cache, kv_views, segments, to_cache
+from gcache_client.engines.vllm.meta import MEDIUM, GCacheConnectorMetadata, LayerMap, ReqStep
+from gcache_client.engines.vllm.paged import Seg, from_cache, kv_views, segments, to_cache
+from gcache_client.sync import SyncLayerStream
+from gcache_client.types import KVPair, Match, PutResult
 
 log = logging.getLogger("gcache.client.vllm")
 

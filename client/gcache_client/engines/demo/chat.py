@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gcache_client.hf import TransformersConnector
+from gcache_client.engines.hf import TransformersConnector
 from gcache_client.sync import GCacheClient
 
 

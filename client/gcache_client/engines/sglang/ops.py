@@ -13,10 +13,10 @@ from typing import TypeVar
 
 from gcache.transport.limits import RateLimitedLog
 from gcache_client.aio import AsyncGCacheClient
+from gcache_client.engines.sglang.config import HiCacheGCacheConfig
+from gcache_client.engines.sglang.metrics import Metrics
+from gcache_client.engines.sglang.namespaces import PAGE_TOKENS, Tracked
 from gcache_client.loopthread import LoopThread
-from gcache_client.sglang.config import HiCacheGCacheConfig
-from gcache_client.sglang.metrics import Metrics
-from gcache_client.sglang.namespaces import PAGE_TOKENS, Tracked
 from gcache_client.types import KVPair, Namespace
 
 __all__ = ["PageOps", "fail_log", "log"]

@@ -1,4 +1,4 @@
-"""KV events of :class:`gcache_client.vllm.GCacheConnector`, scheduler side (issue 13).
+"""KV events of :class:`~gcache_client.engines.vllm.connector.GCacheConnector`, scheduler side.
 
 vLLM publishes what ``take_events`` returns on the scheduler each step (its
 ``--kv-events-config`` publisher, the same ZMQ stream as its own GPU events).
@@ -9,9 +9,9 @@ Two sources, both medium ``GCACHE``:
   passed on with its group's ``kv_cache_spec_kind`` and window filled in (a
   router needs them to tell a sliding-window group from a full one);
 * ``BlockRemoved``: the meta's ``WatchRemovals`` stream of every namespace this
-  scheduler uses (:class:`~gcache_client.kv_events.RemovalWatcher`), turned into
+  scheduler uses (:class:`~gcache_client.engines.kv_events.RemovalWatcher`), turned into
   removals of the blocks this engine reported stored
-  (:class:`~gcache_client.kv_events.ReportedBlocks`), per vLLM KV cache group.
+  (:class:`~gcache_client.engines.kv_events.ReportedBlocks`), per vLLM KV cache group.
 
 Each engine retracts only what it announced (a block stored by another engine is
 that engine's to retract), so a router that keeps GCACHE blocks per engine sees
@@ -33,9 +33,9 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from gcache.auth import load_client_token
 from gcache.errors import GCacheError
-from gcache_client.kv_events import RemovalWatcher, ReportedBlocks, spec_kind
-from gcache_client.vllm_core import BridgeConfig, KVBridge
-from gcache_client.vllm_meta import MEDIUM, LayerMap
+from gcache_client.engines.kv_events import RemovalWatcher, ReportedBlocks, spec_kind
+from gcache_client.engines.vllm.core import BridgeConfig, KVBridge
+from gcache_client.engines.vllm.meta import MEDIUM, LayerMap
 
 log = logging.getLogger("gcache.client.vllm")
 

@@ -24,8 +24,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from gcache import layout as laymod
 from gcache.errors import GCacheError
 from gcache_client.aio import AsyncGCacheClient
-from gcache_client.sglang.config import HiCacheGCacheConfig
-from gcache_client.sglang.pages import PageGeometry, is_anchor, page_size_of
+from gcache_client.engines.sglang.config import HiCacheGCacheConfig
+from gcache_client.engines.sglang.pages import PageGeometry, is_anchor, page_size_of
 from gcache_client.types import Namespace
 
 __all__ = ["PAGE_TOKENS", "NamespaceRegistry", "Pool", "Tracked", "pool_descriptor"]

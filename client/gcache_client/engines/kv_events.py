@@ -1,7 +1,7 @@
 """KV events in vLLM's own format, published over ZMQ, so ``gcache-router`` (or any
 consumer of vLLM's ``--kv-events-config``) learns what an engine holds locally.
 
-Blocks removed from GCache (issue 13): :class:`RemovalWatcher` follows the meta's
+Blocks removed from GCache: :class:`RemovalWatcher` follows the meta's
 ``WatchRemovals`` stream of a namespace on a thread, and :class:`ReportedBlocks`
 turns its removals into ``BlockRemoved(medium="GCACHE")`` for the blocks this
 engine reported stored in GCache (only those: each engine retracts what it
@@ -35,7 +35,7 @@ import numpy as np
 
 from gcache.errors import ConfigError
 from gcache.layout import Layout
-from gcache_client.local_cache import Change, engine_hash
+from gcache_client.engines.local_cache import Change, engine_hash
 
 MEDIUM_GPU = "GPU"
 MEDIUM_GCACHE = "GCACHE"
@@ -195,7 +195,7 @@ class ZmqPublisher:
         }
 
 
-# ---- removals from GCache (issue 13) ---------------------------------------------------
+# ---- removals from GCache ----------------------------------------------------------------
 
 
 def gcache_hash(key: bytes) -> int:

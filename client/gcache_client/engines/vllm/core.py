@@ -39,9 +39,9 @@ from gcache import layout as laymod
 from gcache import wire
 from gcache.config import ClientConfig
 from gcache.errors import ConfigError, GCacheError, LayoutError
+from gcache_client.engines.vllm.cpus import parse_cpu_list
 from gcache_client.sync import GCacheClient
 from gcache_client.types import KVPair, Match, Namespace, PutResult
-from gcache_client.vllm_cpus import parse_cpu_list
 
 log = logging.getLogger("gcache.client.engine_bridge")
 
@@ -69,7 +69,7 @@ class BridgeConfig:
     load_mode: str = "auto"
     max_async_loads: int = 64  # async loads queued per worker before a step waits
     # CPUs for the client's threads in a vLLM CPU worker: "auto" = those vLLM bound
-    # no OpenMP thread to, "none" = leave them, or a list ("1,3-4") (vllm_cpus).
+    # no OpenMP thread to, "none" = leave them, or a list ("1,3-4") (:mod:`.cpus`).
     client_cpus: str = "auto"
     store: bool = True  # False: this instance only loads (vLLM's kv_role kv_consumer)
     # KV events (with vLLM's --kv-events-config): report blocks GCache removed as

@@ -22,11 +22,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from gcache.errors import ConfigError
-from gcache_client.sglang.config import HiCacheGCacheConfig
-from gcache_client.sglang.metrics import Metrics
-from gcache_client.sglang.namespaces import NamespaceRegistry, Pool
-from gcache_client.sglang.ops import PageOps, fail_log, log
-from gcache_client.sglang.pages import flat_kv, page_bytes, page_views
+from gcache_client.engines.sglang.config import HiCacheGCacheConfig
+from gcache_client.engines.sglang.metrics import Metrics
+from gcache_client.engines.sglang.namespaces import NamespaceRegistry, Pool
+from gcache_client.engines.sglang.ops import PageOps, fail_log, log
+from gcache_client.engines.sglang.pages import flat_kv, page_bytes, page_views
 from gcache_client.types import KVPair
 
 __all__ = ["GCacheHiCacheStorage"]

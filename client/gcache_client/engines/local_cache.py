@@ -87,11 +87,8 @@ class LocalPrefixCache:
     def needed(self, blocks: int) -> list[tuple[int, int]]:
         """``(block, group)`` entries a match of ``blocks`` blocks reads, in model
         order of groups (full group: every block; windowed: the tail)."""
-        out: list[tuple[int, int]] = []
-        for g, tail in enumerate(self.layout.group_tail_blocks):
-            first = 0 if tail is None else max(0, blocks - tail)
-            out.extend((j, g) for j in range(first, blocks))
-        return out
+        lay = self.layout
+        return [(j, g) for g in range(lay.num_groups) for j in lay.window_blocks(g, blocks)]
 
     def use(self, keys: Sequence[bytes], blocks: int) -> dict[tuple[int, int], Any]:
         """The payloads a match of ``blocks`` reads, touched (most recent last block

@@ -8,7 +8,7 @@ Per request (:meth:`Engine.generate`):
    router when configured with one);
 2. the prefix comes from the local cache when ``L >= P`` (no copy over the
    network), else from the pool, layer by layer as the model runs
-   (:class:`gcache_client.hf.GCachePrefixCache`); a pool read that fails is a
+   (:class:`gcache_client.engines.hf.GCachePrefixCache`); a pool read that fails is a
    miss and the prompt is recomputed;
 3. the rest of the prompt is computed in two chunks (to the last block boundary,
    then the remainder); at the boundary the prompt's blocks go to the pool (put)
@@ -34,14 +34,14 @@ from transformers import DynamicCache
 from gcache import keys as keymod
 from gcache import textcodec
 from gcache.errors import GCacheError
-from gcache_client.hf import (
+from gcache_client.engines.hf import (
     GCachePrefixCache,
     PrefixLoadFailed,
     TransformersConnector,
     kv_from_cache,
 )
-from gcache_client.kv_events import ZmqPublisher, change_events
-from gcache_client.local_cache import Change, LocalPrefixCache
+from gcache_client.engines.kv_events import ZmqPublisher, change_events
+from gcache_client.engines.local_cache import Change, LocalPrefixCache
 from gcache_client.sync import GCacheClient
 
 log = logging.getLogger("gcache.engine")
@@ -96,10 +96,9 @@ class Engine:
         for layer in range(layout.num_layers):
             g = layout.layer_group[layer]
             li = layout.group_layers[g].index(layer)
-            tail = layout.group_tail_blocks[g]
-            first = 0 if tail is None else max(0, blocks - tail)
-            ks = [payloads[(j, g)][li][0] for j in range(first, blocks)]
-            vs = [payloads[(j, g)][li][1] for j in range(first, blocks)]
+            window = layout.window_blocks(g, blocks)
+            ks = [payloads[(j, g)][li][0] for j in window]
+            vs = [payloads[(j, g)][li][1] for j in window]
             k = torch.cat(ks).permute(1, 0, 2).unsqueeze(0)
             v = torch.cat(vs).permute(1, 0, 2).unsqueeze(0)
             lay = cache.layers[layer]

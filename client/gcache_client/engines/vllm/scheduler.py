@@ -1,4 +1,4 @@
-"""The scheduler side of :class:`gcache_client.vllm.GCacheConnector`: leased
+"""The scheduler side of :class:`gcache_client.engines.vllm.connector.GCacheConnector`: leased
 matches, block ids per KV cache group, and the per-step metadata for the workers.
 
 With ``load_mode="async"`` a hit is loaded before the request is scheduled: the
@@ -12,10 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gcache_client.engines.vllm.core import (
+    BridgeConfig,
+    KVBridge,
+    KVKey,
+    match_to_wire,
+    store_tokens,
+)
+from gcache_client.engines.vllm.keys import RequestKeys, Unkeyable
+from gcache_client.engines.vllm.meta import GCacheConnectorMetadata, LayerMap, ReqStep
 from gcache_client.types import Match
-from gcache_client.vllm_core import BridgeConfig, KVBridge, KVKey, match_to_wire, store_tokens
-from gcache_client.vllm_keys import RequestKeys, Unkeyable
-from gcache_client.vllm_meta import GCacheConnectorMetadata, LayerMap, ReqStep
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,7 +47,7 @@ class _Scheduler:
     ) -> None:
         self.lmap = lmap
         # Matches are made in rank 0's (and stage 0's) namespace; a worker of
-        # another rank or stage matches its own shard again (vllm_worker).
+        # another rank or stage matches its own shard again (the worker).
         self.bridge = KVBridge(
             cfg,
             model_id,

@@ -59,14 +59,16 @@ samples), :mod:`.ops` (the page operations on the client's loop) and
 
 from __future__ import annotations
 
-from gcache_client.sglang.backend import GCacheHiCacheStorage
-from gcache_client.sglang.config import SGLANG_KEYS as SGLANG_KEYS
-from gcache_client.sglang.config import HiCacheGCacheConfig
-from gcache_client.sglang.pages import SUPPORTED_LAYOUTS as SUPPORTED_LAYOUTS
-from gcache_client.sglang.pages import layout_for_regions as layout_for_regions
+from gcache_client.engines.sglang.backend import GCacheHiCacheStorage
+from gcache_client.engines.sglang.config import SGLANG_KEYS as SGLANG_KEYS
+from gcache_client.engines.sglang.config import HiCacheGCacheConfig
+from gcache_client.engines.sglang.pages import SUPPORTED_LAYOUTS as SUPPORTED_LAYOUTS
+from gcache_client.engines.sglang.pages import layout_for_regions as layout_for_regions
 
 __all__ = ["GCacheHiCacheStorage", "HiCacheGCacheConfig"]
 
-# SGLang's dynamic loader names the class by this module (module_path); say so.
-GCacheHiCacheStorage.__module__ = __name__
-HiCacheGCacheConfig.__module__ = __name__
+# SGLang's dynamic loader names the class by its stable config path (module_path,
+# the re-export :mod:`gcache_client.sglang`); say so.
+CONFIG_PATH = "gcache_client.sglang"
+GCacheHiCacheStorage.__module__ = CONFIG_PATH
+HiCacheGCacheConfig.__module__ = CONFIG_PATH

@@ -11,7 +11,7 @@ thread, and every parallel region of the forward then waits for it.
 thread is bound to (vLLM reserves a core for its scheduler process, and one more
 when a KV connector is configured, where it has them), or none when OpenMP has
 every core: then the worker reads a step's loads before the forward instead of
-during it (:mod:`gcache_client.vllm_worker`). Pure functions except
+during it (:mod:`gcache_client.engines.vllm.worker`). Pure functions except
 :func:`place`, which applies the mask to threads by their native id.
 """
 

@@ -40,7 +40,7 @@ import msgspec
 import xxhash
 
 from gcache.errors import ConfigError
-from gcache_client.vllm_core import PLAIN, KVKey
+from gcache_client.engines.vllm.core import PLAIN, KVKey
 
 log = logging.getLogger("gcache.client.vllm")
 

@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from gcache import layout as laymod
 from gcache.errors import LayoutError
-from gcache_client.vllm_core import PLAIN, BridgeConfig, KVKey, MatchWire
+from gcache_client.engines.vllm.core import PLAIN, BridgeConfig, KVKey, MatchWire
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,4 +1,4 @@
-"""Background loads for ``load_mode="async"`` (see :mod:`gcache_client.vllm_sched`):
+"""Background loads for ``load_mode="async"`` (see :mod:`gcache_client.engines.vllm.scheduler`):
 one thread per vLLM worker runs queued loads one after another and keeps their
 outcomes until the worker reports them to vLLM (``get_transfer_results``)."""
 

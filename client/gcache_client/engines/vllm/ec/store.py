@@ -1,5 +1,5 @@
 """Encoder outputs (a multimodal item's embeddings) stored in GCache, keyed by the
-item's content hash: the engine-agnostic part of :mod:`gcache_client.vllm_ec`
+item's content hash: the engine-agnostic part of :mod:`gcache_client.engines.vllm.ec.connector`
 (numpy, torch and the client; no vLLM import).
 
 An encoder output (any tensor, ``[..., width]``) is ordinary GCache data:
@@ -46,9 +46,9 @@ import torch
 from gcache import layout as laymod
 from gcache.config import ClientConfig
 from gcache.errors import ConfigError, GCacheError
+from gcache_client.engines.vllm.core import settings_from_extra
 from gcache_client.sync import GCacheClient
 from gcache_client.types import Namespace
-from gcache_client.vllm_core import settings_from_extra
 
 log = logging.getLogger("gcache.client.vllm_ec")
 
