@@ -68,9 +68,11 @@ class Reader:
         routes = self.transports.route(match.servers, plans)
         left: list[Share] = []
         for transport in self.transports.order:
-            shares = routes.get(transport, [])
-            if shares or left:
-                left = await transport.read_layer(job, shares + left)
+            shares = routes.get(transport)
+            if shares is not None:
+                left = await transport.read_layer(job, shares + left if left else shares)
+            elif left:
+                left = await transport.read_layer(job, left)
         if self.as_torch and out is None:
             dtype = match.namespace.layout.dtype
             k_user, v_user = (
