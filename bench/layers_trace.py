@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-import gcache_client.aio as aio
+import gcache_client.transports as aio
 from gcache.benchtool.layers import zero_kv
 from gcache.cli.deploy import LocalDeployment
 from gcache_client import GCacheClient

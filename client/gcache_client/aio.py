@@ -7,17 +7,17 @@ path; ``get`` returns ``None`` and a ``LayerStream`` stops with ``ok == False``
 do not match the layout, buffers that cannot be filled in place, a closed client)
 raises.
 
-The parts: :mod:`.pool` (connections, shared-memory mappings, copy threads),
-:mod:`.writer` (put), :mod:`.plans` (read plans and checks), :mod:`.leases`
-(batched releases), :mod:`.layers` (``LayerStream``).
+The facade over the parts, wired here: :mod:`.pool` (connections, shared-memory
+mappings, copy threads), :mod:`.metacalls` (calls to the meta, leader retry),
+:mod:`.writer` (put), :mod:`.reads` (get, ``fetch_layer``) over :mod:`.plans`
+(read plans and checks) and :mod:`.transports` (shared memory, staging file,
+TCP), :mod:`.layers` (``LayerStream``), :mod:`.leases` (batched releases).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -31,31 +31,16 @@ from gcache import wire
 from gcache._proto import gcache_pb2 as pb
 from gcache.compute import UNIT_COMPUTE, ModelCompute, compute_for_layout
 from gcache.config import ClientConfig
-from gcache.errors import (
-    ClosedError,
-    ConnectionLost,
-    GCacheError,
-    IntegrityError,
-    LayoutError,
-    NotLeader,
-    RemoteError,
-    UnknownNamespace,
-)
-from gcache_client import arrays
-from gcache_client.conn import PipelinedConn, gather_or_cancel
+from gcache.errors import ClosedError, GCacheError, LayoutError
+from gcache_client.conn import PipelinedConn
 from gcache_client.layers import LayerReads, LayerStream
 from gcache_client.leases import ReleaseBatcher
-from gcache_client.plans import (
-    OFFLOAD_BYTES,
-    ServerPlan,
-    copy_verify,
-    halves,
-    plan_layer,
-    verify,
-)
+from gcache_client.metacalls import MetaCalls
+from gcache_client.plans import OFFLOAD_BYTES, layer_rows
 from gcache_client.pool import ConnectionPool
+from gcache_client.reads import Reader
 from gcache_client.router import AsyncRouterClient
-from gcache_client.staged import STAGED_INLINE_BLOCKS, StagingMaps, read_staged
+from gcache_client.staged import StagingMaps
 from gcache_client.tiers import best_cut
 from gcache_client.types import KVPair, LayerKV, Match, Namespace, PutResult
 from gcache_client.writer import Writer
@@ -75,10 +60,13 @@ class AsyncGCacheClient:
         self.config = dataclasses.replace(cfg, **overrides) if overrides else cfg
         self.config.check()
         self.as_torch = as_torch
+        self.counters: Counter[str] = Counter()
         self.pool = ConnectionPool(self.config)
         self.staging = StagingMaps()  # local servers' staging files (tier-1 reads)
-        self._releases = ReleaseBatcher(self._meta_call)
-        self._writer = Writer(self, self.pool)
+        self.meta = MetaCalls(self.pool, self.config.timeout_s)
+        self._releases = ReleaseBatcher(self.meta.call)
+        self._writer = Writer(self.meta, self.pool, self.config, self.counters)
+        self._reader = Reader(self.config, self.pool, self.staging, self.counters, as_torch)
         self._closed = False
         self._compute: dict[bytes, ModelCompute] = {}  # namespace -> compute model
         # Hit reports to gcache-router after each match (client.router + instance_id).
@@ -87,7 +75,6 @@ class AsyncGCacheClient:
             if self.config.router
             else None
         )
-        self.counters: Counter[str] = Counter()
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -105,7 +92,7 @@ class AsyncGCacheClient:
     async def close(self) -> None:
         if not self._closed:
             await self._releases.close(self.config.timeout_s)
-        self._closed = True
+        self._closed = self.meta.closed = True
         if self.router is not None:
             await self.router.close()
         await self.pool.close()
@@ -116,57 +103,15 @@ class AsyncGCacheClient:
             raise ClosedError("client closed")
 
     async def _meta_call(self, msg: wire.Msg) -> Any:
-        """One hot-path call. With several metas, a refusal by a standby or a dead
-        connection finds the leader and retries once, within ``timeout_s`` in all."""
+        """One hot-path call to the meta (:meth:`MetaCalls.call`)."""
         self._check_open()
-        timeout = self.config.timeout_s
-        if not self.pool.finder.several:
-            conn = await self.pool.meta()
-            return await conn.call(msg, timeout=timeout)
-        deadline = time.monotonic() + timeout
-        try:
-            conn = await self.pool.meta()
-            return await conn.call(msg, timeout=timeout)
-        except (NotLeader, ConnectionLost) as exc:
-            left = deadline - time.monotonic()
-            await self.pool.meta_failed(exc.message if isinstance(exc, NotLeader) else "")
-            if left <= 0.05:
-                raise
-            log.info("meta did not serve (%s); trying the leader", exc)
-            try:
-                conn = await asyncio.wait_for(self.pool.meta(), left)
-            except TimeoutError as late:
-                raise ConnectionLost(f"no meta leader answered within {timeout}s") from late
-            return await conn.call(msg, timeout=max(deadline - time.monotonic(), 0.05))
+        return await self.meta.call(msg)
 
     async def _server(self, addr: wire.ServerAddr) -> PipelinedConn:
         return await self.pool.server(addr)
 
-    async def _control(self) -> Any:
-        return await self.pool.control_stub()
-
     async def _grpc_call(self, method: str, req: Any) -> Any:
-        """A control call; with several metas a standby's FAILED_PRECONDITION or an
-        unreachable meta finds the leader and retries once."""
-        try:
-            stub = await self._control()
-            return await getattr(stub, method)(req, timeout=self.config.timeout_s)
-        except (grpc.aio.AioRpcError, ConnectionLost) as exc:
-            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-            if not self.pool.finder.several or code not in (
-                None,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            ):
-                raise
-            refusal = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else ""
-            await self.pool.meta_failed(refusal or "")
-            try:
-                stub = await self._control()
-            except ConnectionLost as lost:
-                raise GCacheError(f"{method} failed: {lost}") from lost
-            return await getattr(stub, method)(req, timeout=self.config.timeout_s)
+        return await self.meta.grpc_call(method, req)
 
     # ---- namespaces ----------------------------------------------------------------
 
@@ -204,26 +149,11 @@ class AsyncGCacheClient:
         return Namespace(fp, model, laymod.Layout(spec), req)
 
     async def _register(self, req: Any) -> bytes:
-        try:
-            reply = await self._grpc_call("RegisterNamespace", req)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise LayoutError(exc.details() or "invalid namespace") from exc
-            raise GCacheError(f"RegisterNamespace failed: {exc.details()}") from exc
-        return bytes(reply.fingerprint)
+        return await self.meta.register(req)
 
     async def _ns_call(self, ns: Namespace, msg: wire.Msg) -> Any:
-        """A hot-path call naming ``ns``; if the meta restarted and forgot the
-        namespace, register it again (same fingerprint) and retry once."""
-        try:
-            return await self._meta_call(msg)
-        except UnknownNamespace:
-            if ns.request is None:
-                raise
-            log.info("meta forgot namespace %s; registering it again", ns)
-            if await self._register(ns.request) != ns.fingerprint:
-                raise
-            return await self._meta_call(msg)
+        self._check_open()
+        return await self.meta.ns_call(ns, msg)
 
     async def evict(
         self,
@@ -395,11 +325,7 @@ class AsyncGCacheClient:
     def layer_rows(self, match: Match, layer: int) -> tuple[int, int]:
         """(first token, token count) of the rows ``get_layers`` returns for a layer:
         every matched token for full layers, the stored window for sliding ones."""
-        layout = match.namespace.layout
-        tail = layout.group_tail_blocks[layout.layer_group[layer]]
-        first = 0 if tail is None else max(0, match.blocks - tail)
-        bs = layout.block_size
-        return first * bs, (match.blocks - first) * bs
+        return layer_rows(match, layer)
 
     async def fetch_layer(
         self,
@@ -410,151 +336,22 @@ class AsyncGCacheClient:
         offload: bool = False,
         reads: LayerReads | None = None,
     ) -> LayerKV:
-        """Read one layer of a match into ``out`` (or fresh arrays) and verify it.
-        Raises :class:`GCacheError` subclasses; the stream/``get`` turn them into misses.
-        ``offload``: copy and verify a large shared-memory layer on the copy threads,
-        for a caller computing while layers arrive (``get_layers``); inline is cheaper
-        when nobody else runs meanwhile (``get``). ``reads``: a stream's group plans,
-        and its large shared-memory copies one at a time in layer order
-        (:class:`~gcache_client.layers.LayerReads`)."""
-        ns = match.namespace
-        layout = ns.layout
-        spec = layout.spec.layers[layer]
-        g = layout.layer_group[layer]
-        first_tok, n = self.layer_rows(match, layer)
-        k_shape = (n, spec.kv_heads, spec.k_head_dim)
-        v_shape = (n, spec.kv_heads, spec.v_head_dim)
-        if out is None:
-            k_arr, v_arr = arrays.empty(k_shape, layout.dtype), arrays.empty(v_shape, layout.dtype)
-            k_user: Any = k_arr
-            v_user: Any = v_arr
-        else:
-            k_user, v_user = out
-            k_arr = arrays.to_numpy(k_user, layout.dtype, f"layer {layer} K out")
-            v_arr = arrays.to_numpy(v_user, layout.dtype, f"layer {layer} V out")
-            if k_arr.shape != k_shape or v_arr.shape != v_shape:
-                raise LayoutError(f"layer {layer} out: want K {k_shape} and V {v_shape}")
-            for user, arr, what in ((k_user, k_arr, "K"), (v_user, v_arr, "V")):
-                if not arrays.fills_in_place(user, arr):
-                    raise LayoutError(
-                        f"layer {layer} {what} out: must be a writable C-contiguous CPU "
-                        "array or tensor (a read cannot fill a strided or copied buffer)"
-                    )
-        off, kb, vb = layout.layer_range(layer)
-        li = layout.group_layers[g].index(layer)
-        plan_args = (match, g, first_tok // layout.block_size, off, kb, vb, li, k_arr, v_arr)
-        layer_bytes = k_arr.nbytes + v_arr.nbytes
-        big = offload and layer_bytes >= OFFLOAD_BYTES
-        # A layer's plan is O(servers) once its group's is made (O(blocks), once per
-        # match and group in a stream); the per-block views a TCP read needs are made
-        # on a copy thread for a large layer (materialize, below).
-        plans = plan_layer(*plan_args, None if reads is None else reads.groups)
-        remote = {}
-        for si, sp in plans.items():
-            addr = match.servers[si >> 1]  # si: plan_key(server, tier)
-            seg = self.pool.mapped(addr) if not si & 1 else None
-            if seg is None:
-                if si & 1 and await self._read_staged(addr, sp, big, layer):
-                    continue  # a local server's NVMe object, through its staging file
-                remote[si] = await self.pool.server(addr)
-                if si & 1:
-                    self.counters["bytes_read_nvme"] += sp.nbytes
-                continue
-            if big and reads is not None and reads.ordered:  # a stream's, in layer order
-                ok = await reads.copy(copy_verify, seg, sp, 0, sp.count)
-            elif big:  # copy + verify, half of the blocks on each copy thread
-                parts = halves(sp.count, sp.nbytes)
-                ok = all(
-                    await gather_or_cancel(
-                        *(self.pool.offload(copy_verify, seg, sp, a, b) for a, b in parts)
-                    )
-                )
-            else:
-                ok = copy_verify(seg, sp, 0, sp.count)
-            if not ok:
-                raise IntegrityError(f"layer {layer}: checksum mismatch")
-            self.counters["bytes_read_shm"] += sp.nbytes
-        if remote:
-            if big:
-                for si in remote:
-                    await self.pool.offload(plans[si].materialize)
-            await gather_or_cancel(
-                *(
-                    remote[si].call(
-                        wire.Read(plans[si].grants, plans[si].ranges),
-                        dest=plans[si].dest,
-                        timeout=self.config.timeout_s,
-                    )
-                    for si in remote
-                )
-            )
-            checks = [c for si in remote for c in plans[si].checks]
-            if big:
-                parts = halves(len(checks), layer_bytes)
-                jobs = (self.pool.offload(verify, checks[a:b]) for a, b in parts)
-                ok = all(await gather_or_cancel(*jobs))
-            else:
-                ok = verify(checks)
-            if not ok:
-                raise IntegrityError(f"layer {layer}: checksum mismatch")
-        if self.as_torch and out is None:
-            k_user, v_user = (
-                arrays.as_torch(k_arr, layout.dtype),
-                arrays.as_torch(v_arr, layout.dtype),
-            )
-        self.counters["bytes_read"] += k_arr.nbytes + v_arr.nbytes
-        return LayerKV(layer, first_tok, k_user, v_user)
+        """One layer of a match, verified (:meth:`gcache_client.reads.Reader.fetch_layer`)."""
+        return await self._reader.fetch_layer(match, layer, out, offload=offload, reads=reads)
 
     async def get(self, match: Match, out: Sequence[KVPair] | None = None) -> list[LayerKV] | None:
         """Every layer of ``match`` (into ``out[l]`` when given), or ``None`` on a miss."""
         self._check_open()
-        if match.blocks == 0:
-            return None
-        shared = LayerReads()  # the group plans, made once for all layers
-        reads = (
-            self.fetch_layer(match, i, None if out is None else out[i], reads=shared)
-            for i in range(match.namespace.layout.num_layers)
-        )
-        try:
-            return await gather_or_cancel(*reads)
-        except LayoutError:
-            raise
-        except (GCacheError, TimeoutError) as exc:
-            self._note_miss(exc)
-            return None
+        return await self._reader.get(match, out)
 
     def get_layers(self, match: Match, out: Sequence[KVPair] | None = None) -> LayerStream:
         """Async iterator over the match's layers in model order, with
         ``config.layers_in_flight`` layer reads ahead of the consumer."""
         self._check_open()
-        return LayerStream(self, match, out)
+        return self._reader.stream(match, out)
 
     def _note_miss(self, exc: BaseException) -> None:
-        kind = "integrity_errors" if isinstance(exc, IntegrityError) else "read_errors"
-        if isinstance(exc, RemoteError):
-            kind = "remote_errors"
-        self.counters[kind] += 1
-        log.warning("read failed, treating as a miss: %s", exc)
-
-    async def _read_staged(
-        self, addr: wire.ServerAddr, sp: ServerPlan, big: bool, layer: int
-    ) -> bool:
-        """Tier-1 objects of a server on this host (its segment is mapped) through
-        its staging file (:mod:`gcache_client.staged`); False: read them over TCP."""
-        if self.pool.mapped(addr) is None:
-            return False
-        if big and sp.count > STAGED_INLINE_BLOCKS:  # else a thread hop costs more
-            await self.pool.offload(sp.materialize)
-        conn = await self.pool.server(addr)
-        offload = self.pool.offload if big else None
-        timeout = self.config.timeout_s
-        ok = await read_staged(conn, addr.server_id, sp, self.staging, offload, timeout)
-        if ok is None:
-            return False
-        if not ok:
-            raise IntegrityError(f"layer {layer}: checksum mismatch")
-        self.counters["bytes_read_nvme"] += sp.nbytes
-        return True
+        self._reader.note_miss(exc)
 
     def stats(self) -> dict[str, int]:
         out = {**self.counters, **self.pool.stats(), **self.staging.stats()}

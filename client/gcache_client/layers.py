@@ -1,6 +1,6 @@
 """``LayerStream``: a match's layers in model order, read ahead of the consumer.
 
-Read-ahead (issue 12, round two): at least ``layers_in_flight`` layers, and
+Read-ahead: at least ``layers_in_flight`` layers, and
 beyond them as many as fit in ``layer_bytes_in_flight`` bytes. A hybrid model's
 bytes sit in a few full-attention layers (MiMo-V2-Flash at 32k tokens: 9 layers
 of 84 MB, 39 sliding layers of ~0.3 MB), so a count of layers alone left the copy
@@ -23,16 +23,14 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gcache import _native as native
+from gcache.config import ClientConfig
 from gcache.errors import GCacheError, LayoutError
-from gcache_client.plans import GroupServer
+from gcache_client.plans import GroupPlans, layer_rows
 from gcache_client.pool import run_whole
 from gcache_client.types import KVPair, LayerKV, Match
-
-if TYPE_CHECKING:
-    from gcache_client.aio import AsyncGCacheClient
 
 T = TypeVar("T")
 
@@ -49,7 +47,7 @@ class LayerReads:
     __slots__ = ("groups",)
 
     def __init__(self) -> None:
-        self.groups: dict[int, dict[int, GroupServer]] = {}
+        self.groups: GroupPlans = {}
 
     @property
     def ordered(self) -> bool:
@@ -86,21 +84,38 @@ def _forget_copier() -> None:
 os.register_at_fork(after_in_child=_forget_copier)
 
 
-def layer_nbytes(client: AsyncGCacheClient, match: Match, layer: int) -> int:
+def layer_nbytes(match: Match, layer: int) -> int:
     """Bytes of ``layer``'s K and V in ``match`` (the rows ``layer_rows`` gives)."""
     layout = match.namespace.layout
     _, kb, vb = layout.layer_range(layer)
-    return client.layer_rows(match, layer)[1] // layout.block_size * (kb + vb)
+    return layer_rows(match, layer)[1] // layout.block_size * (kb + vb)
+
+
+class LayerSource(Protocol):
+    """What a stream reads its layers from (:class:`gcache_client.reads.Reader`)."""
+
+    config: ClientConfig
+
+    async def fetch_layer(
+        self,
+        match: Match,
+        layer: int,
+        out: KVPair | None = None,
+        *,
+        offload: bool = False,
+        reads: LayerReads | None = None,
+    ) -> LayerKV: ...
+
+    def note_miss(self, exc: BaseException) -> None: ...
 
 
 class LayerStream:
     """Yields :class:`LayerKV` in layer order. On any store failure it stops early
     and sets ``ok = False``: the engine must recompute (never wrong KV)."""
 
-    def __init__(
-        self, client: AsyncGCacheClient, match: Match, out: Sequence[KVPair] | None
-    ) -> None:
-        self.client = client
+    def __init__(self, source: LayerSource, match: Match, out: Sequence[KVPair] | None) -> None:
+        self.source = source
+        self.config = source.config
         self.match = match
         self.out = out
         self.ok = match.blocks > 0
@@ -110,7 +125,7 @@ class LayerStream:
         self._ahead = 0  # bytes of layers started and not handed over
         self._tasks: dict[int, asyncio.Task[LayerKV]] = {}
         self._num = match.namespace.layout.num_layers if match.blocks else 0
-        self._bytes = [layer_nbytes(client, match, i) for i in range(self._num)]
+        self._bytes = [layer_nbytes(match, i) for i in range(self._num)]
         self.reads = LayerReads()
         try:
             asyncio.get_running_loop()
@@ -122,7 +137,7 @@ class LayerStream:
         """Start reads: ``layers_in_flight`` ahead, and once layer 0 was handed over
         (it is not shared with deeper reads: over TCP they would share its socket
         and its verification threads) as far as ``layer_bytes_in_flight`` allows."""
-        cfg = self.client.config
+        cfg = self.config
         budget = cfg.layer_bytes_in_flight if self._next > 0 else 0
         while self._top < self._num and (
             self._top - self._next < cfg.layers_in_flight
@@ -135,7 +150,7 @@ class LayerStream:
             self._top += 1
 
     async def _read(self, layer: int, out: KVPair | None) -> LayerKV:
-        return await self.client.fetch_layer(self.match, layer, out, offload=True, reads=self.reads)
+        return await self.source.fetch_layer(self.match, layer, out, offload=True, reads=self.reads)
 
     @property
     def started(self) -> int:
@@ -156,7 +171,7 @@ class LayerStream:
             await self.aclose()
             raise
         except (GCacheError, TimeoutError) as exc:
-            self.client._note_miss(exc)
+            self.source.note_miss(exc)
             self.ok = False
             self.error = str(exc)
             await self.aclose()

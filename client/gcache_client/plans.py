@@ -5,7 +5,7 @@ against the checksum the meta holds). Plain synchronous code; the copy threads r
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 
@@ -64,16 +64,29 @@ class GroupServer:
         self.grant_bytes = min(gr.length for gr in self.grants)
 
 
-def plan_group(match: Match, g: int, first_blk: int) -> dict[int, GroupServer]:
-    """Group ``g``'s blocks ``[first_blk, match.blocks)`` per :func:`plan_key`."""
+class PlanKey(NamedTuple):
+    """Plans are per server and tier: a server's DRAM objects are read over
+    shared memory where its segment is mapped, its NVMe (tier 1) ones through its
+    staging file or over TCP (the server reads its disk)."""
+
+    server: int  # index into ``Match.servers``
+    nvme: bool  # tier 1
+
+
+def plan_key(server: int, tier: int) -> PlanKey:
+    return PlanKey(server, bool(tier & 1))
+
+
+def plan_group(match: Match, g: int, first_blk: int) -> dict[PlanKey, GroupServer]:
+    """Group ``g``'s blocks ``[first_blk, match.blocks)`` per :class:`PlanKey`."""
     stride = 8 * len(match.namespace.layout.group_layers[g])
-    by_key: dict[int, list[tuple[int, wire.ObjectLoc]]] = {}
+    by_key: dict[PlanKey, list[tuple[int, wire.ObjectLoc]]] = {}
     objects = match.objects
     for blk in range(first_blk, match.blocks):
         loc = objects.get((blk, g))
         if loc is None:
             raise IntegrityError(f"match lacks object ({blk}, {g})")
-        key = plan_key(loc.server, loc.grant.tier)
+        key = PlanKey(loc.server, bool(loc.grant.tier & 1))
         got = by_key.get(key)
         if got is None:
             got = by_key[key] = []
@@ -81,11 +94,44 @@ def plan_group(match: Match, g: int, first_blk: int) -> dict[int, GroupServer]:
     return {key: GroupServer(locs, stride) for key, locs in by_key.items()}
 
 
+def layer_rows(match: Match, layer: int) -> tuple[int, int]:
+    """(first token, token count) of the rows a read of ``layer`` returns: every
+    matched token for full layers, the stored window for sliding ones."""
+    layout = match.namespace.layout
+    rows = layout.window_blocks(layout.layer_group[layer], match.blocks)
+    bs = layout.block_size
+    return rows.start * bs, len(rows) * bs
+
+
+class LayerTarget:
+    """One layer of a match to read: its rows, its place in each object of its
+    group, and the caller's K and V arrays it lands in. Built once per layer read;
+    every server's plan of the layer shares it."""
+
+    __slots__ = (
+        *("first_blk", "first_tok", "group", "k_arr", "kb", "kbytes", "layer", "li"),
+        *("match", "nbytes", "off", "v_arr", "vb", "vbytes"),
+    )
+
+    def __init__(
+        self, match: Match, layer: int, first_tok: int, k_arr: np.ndarray, v_arr: np.ndarray
+    ) -> None:
+        layout = match.namespace.layout
+        self.match, self.layer, self.first_tok = match, layer, first_tok
+        self.group = g = layout.layer_group[layer]
+        self.first_blk = first_tok // layout.block_size
+        self.off, self.kb, self.vb = layout.layer_range(layer)
+        self.li = layout.group_layers[g].index(layer)
+        self.k_arr, self.v_arr = k_arr, v_arr
+        self.kbytes, self.vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
+        self.nbytes = k_arr.nbytes + v_arr.nbytes
+
+
 class ServerPlan:
-    """One server's share of a layer read: its :class:`GroupServer` and the layer's
-    place in each object. For TCP it also gives the grants, the ``(grant index,
-    offset, length)`` ranges (K then V of each block), the destination views in
-    the caller's arrays and per block the views and checksum to verify, made on
+    """One server's share of a layer read: its :class:`GroupServer` and the
+    layer's :class:`LayerTarget`. For TCP it also gives the grants, the ``(grant
+    index, offset, length)`` ranges (K then V of each block), the destination views
+    in the caller's arrays and per block the views and checksum to verify, made on
     first use (:meth:`materialize`): a shared-memory read never needs them."""
 
     __slots__ = (
@@ -93,21 +139,12 @@ class ServerPlan:
         *("off", "vb", "vbytes"),
     )
 
-    def __init__(
-        self,
-        gs: GroupServer,
-        off: int,
-        kb: int,
-        vb: int,
-        li: int,
-        kbytes: memoryview,
-        vbytes: memoryview,
-    ) -> None:
+    def __init__(self, gs: GroupServer, t: LayerTarget) -> None:
         self.gs = gs
-        self.off, self.kb, self.vb, self.li = off, kb, vb, li
-        self.kbytes, self.vbytes = kbytes, vbytes
+        self.off, self.kb, self.vb, self.li = t.off, t.kb, t.vb, t.li
+        self.kbytes, self.vbytes = t.kbytes, t.vbytes
         self.count = len(gs.grants)
-        self.nbytes = self.count * (kb + vb)
+        self.nbytes = self.count * (t.kb + t.vb)
         self._ranges: list[tuple[int, int, int]] | None = None
         self._dest: list[memoryview] = []
         self._checks: list[tuple[memoryview, memoryview, bytes]] = []
@@ -119,6 +156,22 @@ class ServerPlan:
     @property
     def expiry(self) -> int:
         return self.gs.expiry
+
+    def layer_copy(self, a: int, b: int) -> native.LayerCopy:
+        """Blocks ``[a, b)`` of this share as one native copy-and-verify
+        (:class:`gcache._native.LayerCopy`); out of range of the grants is refused."""
+        gs = self.gs
+        if self.off + self.kb + self.vb > gs.grant_bytes:
+            raise AccessDenied(E_OUT_OF_RANGE, "layer range outside its grant")
+        st = gs.stride
+        if a == 0 and b == self.count:
+            offsets, rows, sums = gs.offsets.data, gs.rows.data, memoryview(gs.sums)
+        else:
+            offsets, rows = gs.offsets[a:b].data, gs.rows[a:b].data
+            sums = memoryview(gs.sums)[a * st : b * st]
+        return native.LayerCopy(
+            self.kbytes, self.vbytes, offsets, rows, sums, st, self.li, self.off, self.kb, self.vb
+        )
 
     def materialize(self) -> None:
         """The per-block ranges, views and checks a TCP read needs (~1 ms for a full
@@ -158,55 +211,23 @@ class ServerPlan:
         return self._checks
 
 
-def plan_key(server: int, tier: int) -> int:
-    """Plans are per server and tier: NVMe (tier 1) objects are always read over TCP
-    (the server reads its disk), DRAM ones over shared memory where it is mapped."""
-    return server << 1 | (tier & 1)
+GroupPlans = dict[int, dict[PlanKey, GroupServer]]  # group -> its plans, one match
 
 
-def plan_layer(
-    match: Match,
-    g: int,
-    first_blk: int,
-    off: int,
-    kb: int,
-    vb: int,
-    li: int,
-    k_arr: np.ndarray,
-    v_arr: np.ndarray,
-    groups: dict[int, dict[int, GroupServer]] | None = None,
-) -> dict[int, ServerPlan]:
-    """One layer's reads, per :func:`plan_key` (server index and tier). ``groups``:
+def plan_layer(t: LayerTarget, groups: GroupPlans | None = None) -> dict[PlanKey, ServerPlan]:
+    """One layer's reads, per :class:`PlanKey` (server index and tier). ``groups``:
     the group plans of this match made so far (filled in here), shared by a
     stream's layers."""
-    gp = None if groups is None else groups.get(g)
+    gp = None if groups is None else groups.get(t.group)
     if gp is None:
-        gp = plan_group(match, g, first_blk)
+        gp = plan_group(t.match, t.group, t.first_blk)
         if groups is not None:
-            groups[g] = gp
-    kbytes, vbytes = arrays.byte_view(k_arr), arrays.byte_view(v_arr)
-    return {key: ServerPlan(gs, off, kb, vb, li, kbytes, vbytes) for key, gs in gp.items()}
+            groups[t.group] = gp
+    return {key: ServerPlan(gs, t) for key, gs in gp.items()}
 
 
 def copy_verify(seg: MappedSegment, sp: ServerPlan, a: int, b: int) -> bool:
     """Copy blocks ``[a, b)`` of a local server's share under its lease and verify
     them, checksumming each block's bytes as they land: one native call (no GIL)
     plans the ranges, copies and compares with the meta's checksums."""
-    gs = sp.gs
-    if sp.off + sp.kb + sp.vb > gs.grant_bytes:
-        raise AccessDenied(E_OUT_OF_RANGE, "layer range outside its grant")
-    st = gs.stride
-    bad = seg.read_layer(
-        gs.offsets[a:b],
-        gs.rows[a:b],
-        sp.kbytes,
-        sp.vbytes,
-        memoryview(gs.sums)[a * st : b * st],
-        st,
-        sp.li,
-        sp.off,
-        sp.kb,
-        sp.vb,
-        gs.expiry,
-    )
-    return bad < 0
+    return seg.read_layer(sp.layer_copy(a, b), sp.gs.expiry) < 0

@@ -1,4 +1,4 @@
-"""Tier-1 reads through a local server's staging file (issue 10, round four).
+"""Tier-1 reads through a local server's staging file.
 
 For a server on this host whose segment the client maps, an NVMe object is not
 sent over loopback TCP: ``READ_STAGED`` has the server read it from its disk into

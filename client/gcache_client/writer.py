@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,14 +19,13 @@ from gcache import _native as native
 from gcache import keys as keymod
 from gcache import layout as laymod
 from gcache import wire
+from gcache.config import ClientConfig
 from gcache.errors import GCacheError, LayoutError
 from gcache.transport.limits import RateLimitedLog
 from gcache_client import arrays
+from gcache_client.metacalls import MetaCalls
 from gcache_client.pool import ConnectionPool
 from gcache_client.types import KVPair, Namespace, PutResult
-
-if TYPE_CHECKING:
-    from gcache_client.aio import AsyncGCacheClient
 
 log = logging.getLogger("gcache.client")
 # One line per failed seal flooded the log while a server was down (every put):
@@ -61,9 +60,7 @@ def check_kv(
             raise LayoutError(f"layer {i}: {ka.shape[0]} rows for a {ntokens}-token prompt")
         # Rows are the *last* ka.shape[0] tokens (a sliding layer may hold the window only).
         start = ntokens - ka.shape[0]
-        g = layout.layer_group[i]
-        tail = layout.group_tail_blocks[g]
-        first = 0 if tail is None else max(0, nblocks - tail)
+        first = layout.window_blocks(layout.layer_group[i], nblocks).start
         if start > first * bs:
             raise LayoutError(
                 f"layer {i} holds tokens from {start}, but blocks from {first} must be stored"
@@ -116,13 +113,17 @@ def object_info(
     )
 
 
-# ---- lookup -----------------------------------------------------------------------
-
-
 class Writer:
-    def __init__(self, client: AsyncGCacheClient, pool: ConnectionPool) -> None:
-        self._client = client
+    """Puts: the meta's placements (through ``meta``), the objects' bytes to the
+    servers (through ``pool``), the commit; counted in ``counters``."""
+
+    def __init__(
+        self, meta: MetaCalls, pool: ConnectionPool, config: ClientConfig, counters: Counter[str]
+    ) -> None:
+        self._meta = meta
         self._pool = pool
+        self._config = config
+        self._counters = counters
 
     async def put(
         self,
@@ -153,23 +154,23 @@ class Writer:
             if layout.group_tail_blocks[layout.layer_group[i]] is not None:
                 ckpt_from = max(ckpt_from, -(-start // bs))
         try:
-            placed: wire.PutPlaced = await self._client._ns_call(
+            placed: wire.PutPlaced = await self._meta.ns_call(
                 ns, wire.PutBegin(ns.fingerprint, block_keys, masks, ckpt_from)
             )
         except GCacheError as exc:
             log.warning("put: PutBegin failed: %s", exc)
             result.error = str(exc)
-            self._client.counters["put_errors"] += 1
+            self._counters["put_errors"] += 1
             return result
         if placed.checkpoints:
             masks = layout.add_windows(masks, placed.checkpoints)
-            self._client.counters["checkpoints_saved"] += len(placed.checkpoints)
+            self._counters["checkpoints_saved"] += len(placed.checkpoints)
         wanted = sum(bin(m).count("1") for m in masks)
         result.no_space = placed.no_space
         result.deduped = wanted - len(placed.placements) - placed.no_space
         if not placed.placements:
             return result
-        per_server = self._client.config.max_inflight_writes
+        per_server = self._config.max_inflight_writes
         sem = asyncio.Semaphore(per_server * max(1, len(placed.servers)))
 
         async def write_one(pi: int, p: wire.Placement) -> tuple[int, bytes, int | None] | None:
@@ -193,7 +194,7 @@ class Writer:
                     obj = object_info(layout, ns.fingerprint, block_keys, p.block, p.group, sums)
                     conn = await self._pool.server(addr)
                     reply: wire.Ok = await conn.call(
-                        wire.Write(p.grant, obj), payload, timeout=self._client.config.timeout_s
+                        wire.Write(p.grant, obj), payload, timeout=self._config.timeout_s
                     )
                 except GCacheError as exc:
                     log.warning(
@@ -222,17 +223,17 @@ class Writer:
                 ok.append((pi, sums))
                 receipts.append(rc)
         try:
-            await self._client._meta_call(wire.PutCommit(placed.put_id, ok, receipts))
+            await self._meta.call(wire.PutCommit(placed.put_id, ok, receipts))
         except GCacheError as exc:
             log.warning("put: PutCommit failed: %s", exc)
             result.error = str(exc)
-            self._client.counters["put_errors"] += 1
+            self._counters["put_errors"] += 1
             return result
         result.stored = len(ok)
         result.failed = len(done) - len(ok)
         result.bytes_written = sum(placed.placements[pi].grant.length for pi, _ in ok)
-        self._client.counters["objects_put"] += result.stored
-        self._client.counters["bytes_put"] += result.bytes_written
+        self._counters["objects_put"] += result.stored
+        self._counters["bytes_put"] += result.bytes_written
         return result
 
     async def _seal(
@@ -256,7 +257,7 @@ class Writer:
                 conn = await self._pool.server(addr)
                 reply: wire.Sealed = await conn.call(
                     wire.Seal([placed.placements[pi].grant for pi in pis], [o for _, o in part]),
-                    timeout=self._client.config.timeout_s,
+                    timeout=self._config.timeout_s,
                 )
             except GCacheError as exc:
                 seal_log.log(time.monotonic(), "put: seal on %s failed: %s", addr.server_id, exc)

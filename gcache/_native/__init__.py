@@ -1,4 +1,4 @@
-"""Copy and checksum fused in one pass over the bytes, without the GIL (issue 12).
+"""Copy and checksum fused in one pass over the bytes, without the GIL.
 
 The data plane's per-byte work: a shared-memory read copies an object's ranges
 out of the mapped segment and verifies each layer's checksum; a put checksums
@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 from gcache._native import fallback
 
 __all__ = [
     "CHECKSUM",
     "NATIVE",
+    "LayerCopy",
     "checksums",
     "copy_checksums",
     "read_layer",
@@ -68,31 +69,36 @@ def copy_checksums(
     return fallback.copy_checksums(dst, src, group, hash_src)
 
 
-def read_layer(
-    seg: Buffer,
-    kdst: Buffer,
-    vdst: Buffer,
-    offsets: Buffer,
-    rows: Buffer,
-    sums: Buffer,
-    stride: int,
-    li: int,
-    off: int,
-    kb: int,
-    vb: int,
-) -> int:
-    """One layer's blocks out of a mapped segment, copied and verified in one call.
+class LayerCopy(NamedTuple):
+    """One layer's blocks to copy out of a mapped segment and verify: built once by
+    the read plan, unpacked once into the kernel's arguments (the fields are in
+    the kernel's order, after the segment).
 
     Block ``r`` (``offsets``, ``rows``: int64 buffers): K is
     ``seg[offsets[r] + off, +kb)``, V the ``vb`` bytes after it; they land in row
     ``rows[r]`` of ``kdst`` (``kb`` bytes a row) and ``vdst`` (``vb``), and the
-    xxh3-64 of what landed must equal ``sums[r * stride + 8 * li, +8)``. Returns -1
-    when every block matched, else the first block that did not. A range outside
-    ``seg`` or a row outside the destinations raises ``ValueError`` before any byte
-    moves."""
+    xxh3-64 of what landed must equal ``sums[r * stride + 8 * li, +8)``."""
+
+    kdst: Buffer
+    vdst: Buffer
+    offsets: Buffer
+    rows: Buffer
+    sums: Buffer
+    stride: int
+    li: int
+    off: int
+    kb: int
+    vb: int
+
+
+def read_layer(seg: Buffer, copy: LayerCopy) -> int:
+    """One layer's blocks (:class:`LayerCopy`) out of a mapped segment, copied and
+    verified in one call. Returns -1 when every block matched, else the first
+    block that did not. A range outside ``seg`` or a row outside the destinations
+    raises ``ValueError`` before any byte moves."""
     if NATIVE:
-        return _dataplane.read_layer(seg, kdst, vdst, offsets, rows, sums, stride, li, off, kb, vb)
-    return fallback.read_layer(seg, kdst, vdst, offsets, rows, sums, stride, li, off, kb, vb)
+        return _dataplane.read_layer(seg, *copy)
+    return fallback.read_layer(seg, *copy)
 
 
 def verify(src: Sequence[Buffer], group: int, want: bytes) -> bool:

@@ -1,6 +1,8 @@
 """The pure-Python data plane kernels: the same results as ``_dataplane.c``
 (numpy copies, which release the GIL, and the ``xxhash`` package), for builds
-without the extension and as the reference the tests hold the native one to."""
+without the extension and as the reference the tests hold the native one to.
+Their signatures are the C kernels' (the tests call both the same way); the
+public wrappers in :mod:`gcache._native` take the plan objects."""
 
 from __future__ import annotations
 

@@ -171,22 +171,9 @@ class MappedSegment:
             raise AccessDenied(E_ACCESS_DENIED, "grant expired during the copy")
         return sums
 
-    def read_layer(
-        self,
-        offsets: np.ndarray,
-        rows: np.ndarray,
-        kdst: memoryview,
-        vdst: memoryview,
-        sums: memoryview,
-        stride: int,
-        li: int,
-        off: int,
-        kb: int,
-        vb: int,
-        expiry_ms: int,
-    ) -> int:
-        """One layer's blocks copied out of the segment and verified in one native
-        call (:func:`gcache._native.read_layer`), under a read lease that ends at
+    def read_layer(self, copy: native.LayerCopy, expiry_ms: int) -> int:
+        """One layer's blocks (:class:`gcache._native.LayerCopy`) copied out of the
+        segment and verified in one native call, under a read lease that ends at
         ``expiry_ms`` with the checks of :meth:`read_leased`. Returns -1 when every
         block matched its checksum, else the first block that did not; a range
         outside the segment is refused before any byte moves."""
@@ -194,9 +181,7 @@ class MappedSegment:
             raise AccessDenied(E_ACCESS_DENIED, "grant expired")
         with self.hold():
             try:
-                bad = native.read_layer(
-                    self.view, kdst, vdst, offsets.data, rows.data, sums, stride, li, off, kb, vb
-                )
+                bad = native.read_layer(self.view, copy)
             except ValueError as exc:
                 raise AccessDenied(E_OUT_OF_RANGE, str(exc)) from exc
         if now_ms() >= expiry_ms:

@@ -131,14 +131,14 @@ def test_put_commits_one_receipt_per_done_entry(
     and the put still round-trips."""
     with GCacheClient(deployment.client_config(transport=transport)) as c:
         sent: list[wire.PutCommit] = []
-        real = c.aio._meta_call
+        real = c.aio.meta.call
 
         async def spy(msg: wire.Msg) -> Any:
             if isinstance(msg, wire.PutCommit):
                 sent.append(msg)
             return await real(msg)
 
-        c.aio._meta_call = spy  # type: ignore[method-assign]
+        c.aio.meta.call = spy  # type: ignore[method-assign]
         toks = tokens(40, seed={"tcp": 41, "shm": 42}[transport])
         kv = make_kv(ns.layout, len(toks), seed=5)
         res = c.put(ns, toks, kv)
