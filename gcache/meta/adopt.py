@@ -11,7 +11,6 @@ records get ``last_access`` from their sequence number. No I/O.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from itertools import repeat
 
 from gcache.config import MetaConfig
@@ -20,45 +19,12 @@ from gcache.meta.records import (
     BlockEntry,
     NamespaceRecord,
     ObjectRecord,
+    Parked,
+    ParkedChunk,
     ServerRecord,
     group_layer_bytes,
 )
 from gcache.storage.columns import Columns
-
-
-@dataclass(slots=True)
-class Parked:
-    """One reported object (proto ``StoredObject``) of a server."""
-
-    namespace: bytes
-    key: bytes
-    parent: bytes
-    pos: int
-    group: int
-    tier: int
-    offset: int
-    length: int
-    sums: bytes
-    seq: int
-    server: ServerRecord | None = None
-    since: float = 0.0
-    allocated: bool = False  # its DRAM range is in the allocator (report complete)
-    layer_bytes: tuple[int, ...] = ()  # per-layer lengths when unequal (else ())
-
-
-@dataclass(slots=True, eq=False)
-class ParkedChunk:
-    """A whole reported chunk waiting for its namespace, kept in its columns (no
-    object per record): its DRAM ranges by offset (in its server's ``parked``, kept
-    allocated), its expiry from ``since``."""
-
-    cols: Columns
-    server: ServerRecord
-    since: float
-    ranges: dict[int, int]  # DRAM offset -> length, of the records still parked
-    allocated: bool = False  # its DRAM ranges are in the allocator (report complete)
-    # DRAM offsets of rows whose range turned out to be another's: never adopted
-    skip: set[int] = field(default_factory=set)
 
 
 def parked_from(cols: Columns) -> list[Parked]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from gcache.config import MetaConfig
 from gcache.keys import KEY_SIZE
-from gcache.meta.adopt import Adoption, Parked, ParkedChunk, parked_from
+from gcache.meta.adopt import Adoption, parked_from
 from gcache.meta.index import Index
 from gcache.meta.membership import Membership
 from gcache.meta.records import (
@@ -45,6 +45,8 @@ from gcache.meta.records import (
     BlockEntry,
     NamespaceRecord,
     ObjectRecord,
+    Parked,
+    ParkedChunk,
     ServerRecord,
 )
 from gcache.storage.allocator import SegmentAllocator
