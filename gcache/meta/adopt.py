@@ -1,3 +1,4 @@
+# One file (over 450 lines): the one-pass adoption loop and the parked books it fills go together.
 """Putting reported records into the index, or on the parked books.
 
 The adoption half of the rebuild (``meta/rebuild.py`` drives it from the servers'

@@ -1,3 +1,4 @@
+# One file (over 450 lines): the report protocol (chunks, retries, completion) is one state machine.
 """Rebuilding the index from the servers' reports (after a meta or server restart).
 
 After ``RegisterServer`` a server that holds objects streams its manifest
