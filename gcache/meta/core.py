@@ -137,7 +137,6 @@ class MetaCore:
         """``epoch``: the meta's epoch (unix ms of its start; the daemon sets it), in
         every grant and in RegisterServerReply; 0 for in-process drivers."""
         self.cfg = cfg
-        self.epoch = epoch
         self.counters: Counter[str] = Counter()
         c = self.counters
         # The wiring: each component gets the others it calls, nothing more.
@@ -190,6 +189,16 @@ class MetaCore:
         self.adopt_parked_namespace = self.rebuild.adopt_parked_namespace
 
     # ---- read-only views of the components' state (drivers, stats, tests) ----------
+
+    @property
+    def epoch(self) -> int:
+        """The meta's epoch, carried by every grant (membership owns it)."""
+        return self.membership.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        """Set by the daemon (and on election) before it serves: grants carry it."""
+        self.membership.epoch = epoch
 
     @property
     def servers(self) -> dict[str, ServerRecord]:
