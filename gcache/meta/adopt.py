@@ -1,7 +1,8 @@
-"""Putting reported records into the index, or on the parked books (issue 10).
+# One file (over 450 lines): the one-pass adoption loop and the parked books it fills go together.
+"""Putting reported records into the index, or on the parked books.
 
 The adoption half of the rebuild (``meta/rebuild.py`` drives it from the servers'
-reports): :meth:`Adoption._adopt_columns` adopts records whose namespace and
+reports): :meth:`Adoption.adopt_columns` adopts records whose namespace and
 parent block are known in one pass with no per-record helper call (a restarted
 meta adopts a million of them); the others are parked (:class:`Parked`, with
 their DRAM ranges kept allocated) or dropped when they cannot be right. Adopted
@@ -10,53 +11,21 @@ records get ``last_access`` from their sequence number. No I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
 from itertools import repeat
 
+from gcache.config import MetaConfig
+from gcache.meta.index import Index
 from gcache.meta.records import (
     BlockEntry,
     NamespaceRecord,
     ObjectRecord,
+    Parked,
+    ParkedChunk,
     ServerRecord,
     group_layer_bytes,
 )
-from gcache.meta.tiers import Tiers
 from gcache.storage.columns import Columns
-
-
-@dataclass(slots=True)
-class Parked:
-    """One reported object (proto ``StoredObject``) of a server."""
-
-    namespace: bytes
-    key: bytes
-    parent: bytes
-    pos: int
-    group: int
-    tier: int
-    offset: int
-    length: int
-    sums: bytes
-    seq: int
-    server: ServerRecord | None = None
-    since: float = 0.0
-    allocated: bool = False  # its DRAM range is in the allocator (report complete)
-    layer_bytes: tuple[int, ...] = ()  # per-layer lengths when unequal (else ())
-
-
-@dataclass(slots=True, eq=False)
-class ParkedChunk:
-    """A whole reported chunk waiting for its namespace, kept in its columns (no
-    object per record): its DRAM ranges by offset (in its server's ``parked``, kept
-    allocated), its expiry from ``since``."""
-
-    cols: Columns
-    server: ServerRecord
-    since: float
-    ranges: dict[int, int]  # DRAM offset -> length, of the records still parked
-    allocated: bool = False  # its DRAM ranges are in the allocator (report complete)
-    # DRAM offsets of rows whose range turned out to be another's: never adopted
-    skip: set[int] = field(default_factory=set)
 
 
 def parked_from(cols: Columns) -> list[Parked]:
@@ -123,7 +92,21 @@ def recency(now: float, seq: int) -> float:
     return now - 1.0 + min(seq, 10**9) * 1e-9
 
 
-class Adoption(Tiers):
+class Adoption:
+    """The parked books and the adoption of reported records into the index (the
+    rebuild's other half: ``Rebuild`` feeds it the servers' reports)."""
+
+    def __init__(self, cfg: MetaConfig, counters: Counter[str], index: Index) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.index = index
+        self.parked_ns: dict[bytes, list[Parked]] = {}
+        self.parked_parent: dict[bytes, list[Parked]] = {}
+        self.parked_all: dict[int, Parked] = {}
+        self.parked_chunks: dict[int, ParkedChunk] = {}
+        self.parked_ns_chunks: dict[bytes, list[ParkedChunk]] = {}
+        self.parked_rows = 0
+
     # namespace fingerprint -> parked records waiting for it
     parked_ns: dict[bytes, list[Parked]]
     # namespace fingerprint -> parked records waiting for their parent block, retried
@@ -137,7 +120,7 @@ class Adoption(Tiers):
     parked_ns_chunks: dict[bytes, list[ParkedChunk]]
     parked_rows: int
 
-    def _adopt_columns(
+    def adopt_columns(
         self,
         srv: ServerRecord | None,
         cols: Columns,
@@ -157,14 +140,14 @@ class Adoption(Tiers):
         are admitted into the eviction policies in bulk, per namespace run.
         Returns (adopted, dropped, records whose parent is missing)."""
         n = len(cols)
-        namespaces = self.namespaces
+        namespaces = self.index.namespaces
         if (
             origin is None
             and owners is None
             and srv is not None
             and n
             and cols.namespace[0] not in namespaces
-            and self._park_chunk(srv, cols, now)
+            and self.park_chunk(srv, cols, now)
         ):
             return 0, 0, []
         counters = self.counters
@@ -181,8 +164,8 @@ class Adoption(Tiers):
         gbytes: list[int] = []
         groups = 0
         full: int | None = None
-        link = self._link_object
-        policy, nvme_policy = self.policy, self.nvme_policy
+        link = self.index.link_object
+        policy, nvme_policy = self.index.policy, self.index.nvme_policy
         dnew: list[ObjectRecord] = []  # admitted in bulk (admit_many) per namespace run
         nnew: list[ObjectRecord] = []
         cur: ServerRecord | None = None
@@ -231,12 +214,12 @@ class Adoption(Tiers):
             ):
                 rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 counters["report_invalid"] += 1
-                self._release_parked(rec)
+                self.release_parked(rec)
                 dropped += 1
                 continue
             if nsf != fp or ns is None:
                 if ns is not None:
-                    self._add_group_bytes(ns, gbytes)
+                    self.index.add_group_bytes(ns, gbytes)
                     if dnew:
                         policy.admit_many(dnew, ns)
                         dnew = []
@@ -256,7 +239,7 @@ class Adoption(Tiers):
             if ns is None:
                 rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 rec.layer_bytes = lb
-                self._park(rec, self.parked_ns.setdefault(fp, []))
+                self.park(rec, self.parked_ns.setdefault(fp, []))
                 continue
             entry = entries.get(key)
             if entry is None:
@@ -284,8 +267,8 @@ class Adoption(Tiers):
             ):
                 rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 counters["report_invalid"] += 1
-                self._release_parked(rec)
-                self._prune(ns, entry)
+                self.release_parked(rec)
+                self.index.prune(ns, entry)
                 dropped += 1
                 continue
             have = entry.objects[g]
@@ -294,7 +277,7 @@ class Adoption(Tiers):
                 if have.server is s and have.tier == tier and have.offset == off:
                     continue  # reported again (a re-registration): already adopted
                 counters["report_duplicates"] += 1
-                self._release_parked(
+                self.release_parked(
                     orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
                 )
                 continue
@@ -313,17 +296,15 @@ class Adoption(Tiers):
             if credit is not None:
                 credit[s.server_id] = credit.get(s.server_id, 0) + 1
         if ns is not None:
-            self._add_group_bytes(ns, gbytes)
+            self.index.add_group_bytes(ns, gbytes)
             if dnew:
                 policy.admit_many(dnew, ns)
             if nnew:
                 nvme_policy.admit_many(nnew, ns)
-        self.entries += created
-        self.live_objects += adopted  # _count_in, less the tenant (a reported object has none)
-        self.live_bytes += nbytes
+        self.index.count_adopted(created, adopted, nbytes)  # reported objects: no tenant
         return adopted, dropped, deferred
 
-    def _park_chunk(self, srv: ServerRecord, cols: Columns, now: float) -> bool:
+    def park_chunk(self, srv: ServerRecord, cols: Columns, now: float) -> bool:
         """Park a chunk of ``srv`` whose records are all of one namespace not
         registered yet, whole, in its columns; False (nothing done) when one of its
         records would be dropped at once (then it goes record by record)."""
@@ -356,10 +337,10 @@ class Adoption(Tiers):
         self.parked_ns_chunks.setdefault(cols.namespace[0], []).append(chunk)
         self.parked_rows += n
         self.counters["objects_parked"] += n
-        self._bound_parked()
+        self.bound_parked()
         return True
 
-    def _unpark_chunk(self, chunk: ParkedChunk) -> bool:
+    def unpark_chunk(self, chunk: ParkedChunk) -> bool:
         """Take ``chunk`` off the parked books (False: it was not on them)."""
         if self.parked_chunks.pop(id(chunk), None) is None:
             return False
@@ -370,7 +351,7 @@ class Adoption(Tiers):
                 del sparked[off]
         return True
 
-    def _release_chunk(self, chunk: ParkedChunk) -> None:
+    def release_chunk(self, chunk: ParkedChunk) -> None:
         """A parked chunk that will not be adopted (off the books): its server drops
         its records (:meth:`_release_parked` for each)."""
         srv = chunk.server
@@ -383,42 +364,35 @@ class Adoption(Tiers):
         if chunk.allocated:
             chunk.allocated = False
             for off, ln in chunk.ranges.items():
-                self._free_range(srv, off, ln)
+                self.index.free_range(srv, off, ln)
         elif srv.reported is not None:
             srv.freed += chunk.ranges.items()
 
-    def _bound_parked(self) -> None:
+    def bound_parked(self) -> None:
         """At most ``max_parked_objects`` parked: the oldest go (a parked chunk
         whole, before single records)."""
         limit = self.cfg.max_parked_objects
         while len(self.parked_all) + self.parked_rows > limit:
             if self.parked_chunks:
                 chunk = next(iter(self.parked_chunks.values()))
-                self._unpark_chunk(chunk)
-                self._release_chunk(chunk)
+                self.unpark_chunk(chunk)
+                self.release_chunk(chunk)
                 self.counters["parked_dropped"] += len(chunk.cols)
                 continue
             old = self.parked_all.pop(next(iter(self.parked_all)))
-            self._unpark(old)
-            self._release_parked(old)
+            self.unpark(old)
+            self.release_parked(old)
             self.counters["parked_dropped"] += 1
 
-    def _add_group_bytes(self, ns: NamespaceRecord, gbytes: list[int]) -> None:
-        names = ns.layout.group_names
-        for g, n in enumerate(gbytes):
-            if n:
-                self.group_bytes[names[g]] += n
-                gbytes[g] = 0
-
-    def _adopt_known(self, ns: NamespaceRecord, rec: Parked, now: float) -> tuple[int, int]:
+    def adopt_known(self, ns: NamespaceRecord, rec: Parked, now: float) -> tuple[int, int]:
         """Adopt a record of a known namespace (not on the parked books), creating
         its entry under its parent; park it while its parent is unknown. Returns
         (adopted, dropped)."""
         srv = rec.server
         assert srv is not None
-        if self._clash(srv, rec):
+        if self.clash(srv, rec):
             self.counters["report_invalid"] += 1
-            self._release_parked(rec)
+            self.release_parked(rec)
             return 0, 1
         entries = ns.entries
         entry = entries.get(rec.key)
@@ -427,21 +401,21 @@ class Adoption(Tiers):
             if rec.pos:
                 parent = entries.get(rec.parent)
                 if parent is None or parent.pos + 1 != rec.pos:
-                    self._park(rec, self.parked_parent.setdefault(rec.namespace, []))
+                    self.park(rec, self.parked_parent.setdefault(rec.namespace, []))
                     return 0, 0
             groups = len(ns.layout.group_windows)  # num_groups, without the property call
             entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, groups)
-            self.entries += 1
+            self.index.count_adopted(1, 0, 0)
             if ns.full_group is not None:
                 ns.full_holes += 1
             if parent is not None:
                 parent.children += 1
-        if self._adopt(ns, entry, rec, now):
+        if self.adopt(ns, entry, rec, now):
             return 1, 0
         return 0, 1
 
     @staticmethod
-    def _clash(srv: ServerRecord, rec: Parked) -> bool:
+    def clash(srv: ServerRecord, rec: Parked) -> bool:
         """A DRAM record at an offset another reported record holds (one not on the
         parked books: records waiting for a parent are checked again)."""
         if rec.tier != 0:
@@ -450,7 +424,7 @@ class Adoption(Tiers):
         other = srv.parked.get(rec.offset)
         return rec.offset in held or (other is not None and other is not rec)
 
-    def _park(self, rec: Parked, where: list[Parked]) -> None:
+    def park(self, rec: Parked, where: list[Parked]) -> None:
         where.append(rec)
         self.parked_all[id(rec)] = rec
         srv = rec.server
@@ -459,9 +433,9 @@ class Adoption(Tiers):
             srv.parked[rec.offset] = rec
         self.counters["objects_parked"] += 1
         if len(self.parked_all) + self.parked_rows > self.cfg.max_parked_objects:
-            self._bound_parked()
+            self.bound_parked()
 
-    def _unpark(self, rec: Parked) -> None:
+    def unpark(self, rec: Parked) -> None:
         """Take ``rec`` off the parked books (not its lists: they are consumed whole,
         and a stale entry there is skipped)."""
         self.parked_all.pop(id(rec), None)
@@ -469,7 +443,7 @@ class Adoption(Tiers):
         if srv is not None and rec.tier == 0 and srv.parked.get(rec.offset) is rec:
             del srv.parked[rec.offset]
 
-    def _release_parked(self, rec: Parked) -> None:
+    def release_parked(self, rec: Parked) -> None:
         """A reported object that will not be adopted: its server drops it (and its
         DRAM range, if already in the allocator, is freed)."""
         srv = rec.server
@@ -479,13 +453,13 @@ class Adoption(Tiers):
             srv.drop_out.append((rec.offset, rec.length))
         elif rec.allocated:
             rec.allocated = False
-            self._free_range(srv, rec.offset, rec.length)
+            self.index.free_range(srv, rec.offset, rec.length)
         elif srv.reported is not None:
             # Nothing is placed on a server before its report is complete: the
             # range holds no one else's object, the server may drop the record.
             srv.freed.append((rec.offset, rec.length))
 
-    def _adopt(self, ns: NamespaceRecord, entry: BlockEntry, rec: Parked, now: float) -> bool:
+    def adopt(self, ns: NamespaceRecord, entry: BlockEntry, rec: Parked, now: float) -> bool:
         srv = rec.server
         assert srv is not None
         layout = ns.layout
@@ -497,25 +471,23 @@ class Adoption(Tiers):
             or (rec.layer_bytes and rec.layer_bytes != group_layer_bytes(layout, g))
         ):
             self.counters["report_invalid"] += 1
-            self._release_parked(rec)
-            self._prune(ns, entry)
+            self.release_parked(rec)
+            self.index.prune(ns, entry)
             return False
         have = entry.objects[g]
         if have is not None:
             if have.server is srv and have.tier == rec.tier and have.offset == rec.offset:
                 return False  # reported again (a re-registration): already adopted
             self.counters["report_duplicates"] += 1
-            self._release_parked(rec)
+            self.release_parked(rec)
             return False
         seq = rec.seq
         last = now - 1.0 + (seq if seq < 10**9 else 10**9) * 1e-9  # recency(now, seq)
         obj = ObjectRecord(entry, g, srv, rec.offset, rec.length, rec.sums, last, "", rec.tier)
-        self._link_object(ns, entry, obj)
-        self.live_objects += 1  # _count_in, less the tenant (a reported object has none)
-        self.live_bytes += rec.length
-        self.group_bytes[layout.group_names[g]] += rec.length
+        self.index.link_object(ns, entry, obj)
+        self.index.count_in(ns, obj)  # no tenant: a reported object has none
         if rec.tier == 0 and srv.reported is not None:
             srv.reported[rec.offset] = obj
         # (Adopted after the report completed, it was parked: its range is allocated.)
-        self._pol(obj).admit(obj, ns)
+        self.index.pol(obj).admit(obj, ns)
         return True

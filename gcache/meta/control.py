@@ -1,3 +1,4 @@
+# One file (over 450 lines): one gRPC servicer, one method per control-plane call.
 """The meta's control plane: gRPC service driving :class:`MetaCore`."""
 
 from __future__ import annotations
@@ -446,8 +447,8 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
         return pb.EvictReply(evicted=evicted, refused=refused)
 
     async def WatchRemovals(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        """Stream the removals of one namespace while the call lasts (issue 13,
-        ``meta/events.py``): a first empty batch once subscribed, then batches of at
+        """Stream the removals of one namespace while the call lasts
+        (``meta/events.py``): a first empty batch once subscribed, then batches of at
         most ``max_batch`` removals, an empty one every ``keepalive_s``; ``gap``
         when removals were lost. The subscriber ends with the call."""
         await self._require_leader(context)

@@ -1,18 +1,23 @@
 """The meta's state machine, without I/O.
 
-:class:`MetaCore` holds membership, namespaces, the SWA-aware prefix index,
-placement (it runs each segment's allocator), pending puts, read leases and
-eviction. It is composed of layers, each in its own module:
+:class:`MetaCore` owns the meta's components and wires them together in
+:meth:`MetaCore.__init__` (the one place that does); each component is in its own
+module, holds its own state, and is handed the others it needs:
 
-* :mod:`.reclaim` (``IndexStore``): index bookkeeping, eviction mechanics, the
-  quarantine of ranges freed from pending puts, access checks;
-* :mod:`.placement`: dedup, checkpoints, allocation within a put's budget;
+* :mod:`.index` (``Index``): the prefix index and its totals, eviction mechanics,
+  the quarantine of ranges freed from pending puts, access checks;
+* :mod:`.membership`: the servers, registration and drop, who placement may use;
+* :mod:`.placement`: dedup, checkpoints, allocation within a put's budget (how
+  room is made is a strategy it is given: the tiers' demotion);
 * :mod:`.puts`: begin, commit and abort of puts owned by a session;
 * :mod:`.leases`: lookups and read leases owned by a session;
-* :mod:`.tiers`: demotion to the servers' NVMe tiers, NVMe watermarks, heartbeat
-  outboxes (issue 10);
-* :mod:`.rebuild`: the index rebuilt from the servers' reports (issue 10);
-* this module: membership, namespaces, session end, time, stats.
+* :mod:`.tiers`: demotion to the servers' NVMe tiers and both tiers' watermarks;
+  :mod:`.promotion`: NVMe objects back to DRAM on repeated hits;
+  :mod:`.heartbeat`: what a heartbeat reports and what its reply carries;
+* :mod:`.rebuild` and :mod:`.adopt`: the index rebuilt from the servers' reports;
+* :mod:`.eviction` (the policies) and :mod:`.events` (the removal feed);
+* this module: the wiring, namespaces, sessions, time, stats, and the public
+  methods the daemon's layers call (thin delegations).
 
 Every method is synchronous and takes ``now`` (monotonic seconds) so tests drive
 time directly; the asyncio layers (:mod:`.hotpath`, :mod:`.control`) decode
@@ -24,8 +29,6 @@ anything is modified.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -35,12 +38,25 @@ from gcache import keys, wire
 from gcache.config import MetaConfig
 from gcache.errors import LayoutError
 from gcache.layout import Layout, LayoutSpec
-from gcache.meta.events import SERVER_LOST, RemovalFeed
-from gcache.meta.eviction import make_policy
+from gcache.meta.adopt import Adoption
+from gcache.meta.events import RemovalFeed
+from gcache.meta.eviction import EvictionPolicy, make_policy
+from gcache.meta.heartbeat import Heartbeats
+from gcache.meta.index import Index
+from gcache.meta.leases import Leases
+from gcache.meta.membership import Membership
+from gcache.meta.placement import Placement
+from gcache.meta.promotion import Promoter
+from gcache.meta.puts import Puts
 from gcache.meta.rebuild import Rebuild
-from gcache.meta.records import GONE, NamespaceRecord, ObjectRecord, ServerRecord
+from gcache.meta.records import (
+    Lease,
+    NamespaceRecord,
+    PendingPut,
+    ServerRecord,
+)
 from gcache.meta.session import Session
-from gcache.meta.tiers import Demotion
+from gcache.meta.tiers import Demotion, Tiers
 
 # Monotonic counters of MetaCore.stats() (always exported, from 0).
 COUNTERS = (
@@ -72,7 +88,7 @@ COUNTERS = (
     "foreign_refused",
     "refused",
     "protocol_errors",
-    # issue 10: tiers and rebuild
+    # tiers and rebuild
     "demotions_issued",
     "demotions_done",
     "demotions_failed",
@@ -100,11 +116,11 @@ COUNTERS = (
     "report_invalid",
     "report_duplicates",
     "reports_completed",
-    # issue 10: the demotion pipeline (A)
+    # the demotion pipeline
     "demotions_ahead",
     "puts_told_to_wait",
     "puts_waited",
-    # issue 13: the removal feed (meta/events.py)
+    # the removal feed (meta/events.py)
     "removals_recorded",
     "removals_delivered",
     "removals_dropped_from_ring",
@@ -116,62 +132,210 @@ COUNTERS = (
 MAX_NAMESPACES = 4096
 
 
-class MetaCore(Rebuild):
+class MetaCore:
     def __init__(self, cfg: MetaConfig, epoch: int = 0) -> None:
         """``epoch``: the meta's epoch (unix ms of its start; the daemon sets it), in
         every grant and in RegisterServerReply; 0 for in-process drivers."""
         self.cfg = cfg
-        self.epoch = epoch
-        self.now_s = 0.0
-        self._compute = {}
-        self.parked_ns = {}
-        self.parked_parent = {}
-        self.parked_all = {}
-        self.parked_chunks = {}  # issue 10 (G1): chunks parked whole, see meta/adopt.py
-        self.parked_ns_chunks = {}
-        self.parked_rows = 0
-        self.namespaces = {}
-        self._ns_by_id: dict[int, NamespaceRecord] = {}
-        self.servers = {}
-        self.puts = {}
-        self.leases = {}
-        self.policy = make_policy(cfg.eviction_policy)
-        self.nvme_policy = make_policy(cfg.eviction_policy)
-        self._put_heap = []
-        self._lease_heap = []
-        self.quarantine = []
-        self._qseq = itertools.count()
-        self.counters = Counter()
-        self.entries = 0
-        self.live_objects = 0
-        self.live_bytes = 0
-        self.group_bytes = Counter()
-        self.tenant_bytes = Counter()
-        self.pending_bytes = 0
-        self.pending_by_session = Counter()
-        self.pending_by_tenant = Counter()
-        self._live = None  # live servers, rebuilt on change
+        self.counters: Counter[str] = Counter()
+        c = self.counters
+        # The wiring: each component gets the others it calls, nothing more.
         self.removals = RemovalFeed(cfg.event_ring, cfg.max_event_subscribers)
+        policy, nvme_policy = make_policy(cfg.eviction_policy), make_policy(cfg.eviction_policy)
+        self.index = Index(cfg, c, policy, nvme_policy, self.removals)
+        self.membership = Membership(cfg, c, self.index, epoch)
+        self.index.outbox_full = self.membership.invalidate
+        self.tiers = Tiers(cfg, c, self.index)
+        self.placement = Placement(cfg, c, self.membership, self.tiers.make_room)
+        self.pending = Puts(
+            cfg, c, self.index, self.membership, self.placement, self.tiers.check_watermark
+        )
+        self.promoter = Promoter(cfg, c, self.index, self.tiers.demote_or_drop)
+        self.leasing = Leases(cfg, c, self.index, self.promoter.on_pick)
+        self.heartbeats = Heartbeats(cfg, c, self.membership, self.tiers, self.promoter)
+        self.adoption = Adoption(cfg, c, self.index)
+        self.rebuild = Rebuild(cfg, c, self.index, self.membership, self.adoption)
         # High availability (meta/ha.py): why this meta may not serve at ``now``
         # (a standby's redirect), or None; the election's gauges for stats().
         self.not_leader: Callable[[float], str | None] | None = None
         self.ha_stats: Callable[[], Mapping[str, float]] | None = None
+
+        # ---- the public methods of the components (thin delegations) ----
+        self.lookup = self.leasing.lookup
+        self.match = self.leasing.match
+        self.pick = self.leasing.pick
+        self.release = self.leasing.release
+        self.put_budget = self.pending.put_budget
+        self.put_begin = self.pending.put_begin
+        self.put_commit = self.pending.put_commit
+        self.put_abort = self.pending.put_abort
+        self.commit = self.pending.commit
+        self.place = self.placement.place
+        self.live_capacity = self.membership.live_capacity
+        self.stalled = self.membership.stalled
+        self.evict_keys = self.index.evict_keys
+        self.tier_heartbeat = self.heartbeats.tier_heartbeat
+        self.tier_stats = self.heartbeats.tier_stats
+        self.demoted = self.tiers.demoted
+        self.nvme_lost = self.tiers.nvme_lost
+        self.recompute_s = self.tiers.recompute_s
+        self.promoted = self.promoter.promoted
+        self.begin_report = self.rebuild.begin_report
+        self.report_columns = self.rebuild.report_columns
+        self.report_objects = self.rebuild.report_objects
+        self.deferred_of = self.rebuild.deferred_of
+        self.parked_of = self.rebuild.parked_of
+        self.expire_parked = self.rebuild.expire_parked
+        self.adopt_parked_namespace = self.rebuild.adopt_parked_namespace
+
+    # ---- read-only views of the components' state (drivers, stats, tests) ----------
+
+    @property
+    def epoch(self) -> int:
+        """The meta's epoch, carried by every grant (membership owns it)."""
+        return self.membership.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        """Set by the daemon (and on election) before it serves: grants carry it."""
+        self.membership.epoch = epoch
+
+    @property
+    def servers(self) -> dict[str, ServerRecord]:
+        return self.membership.servers
+
+    @property
+    def namespaces(self) -> dict[bytes, NamespaceRecord]:
+        return self.index.namespaces
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.index.policy
+
+    @policy.setter
+    def policy(self, policy: EvictionPolicy) -> None:
+        """Replace the DRAM policy before anything is stored (the replayer's oracle)."""
+        self.index.policy = policy
+
+    @property
+    def nvme_policy(self) -> EvictionPolicy:
+        return self.index.nvme_policy
+
+    @property
+    def entries(self) -> int:
+        return self.index.entries
+
+    @property
+    def live_objects(self) -> int:
+        return self.index.live_objects
+
+    @property
+    def live_bytes(self) -> int:
+        return self.index.live_bytes
+
+    @property
+    def group_bytes(self) -> Counter[str]:
+        return self.index.group_bytes
+
+    @property
+    def tenant_bytes(self) -> Counter[str]:
+        return self.index.tenant_bytes
+
+    @property
+    def quarantine(self) -> list[tuple[float, int, ServerRecord, int, int]]:
+        return self.index.quarantine
+
+    @property
+    def puts(self) -> dict[int, PendingPut]:
+        return self.pending.puts
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.pending.pending_bytes
+
+    @property
+    def pending_by_session(self) -> Counter[int]:
+        return self.pending.pending_by_session
+
+    @property
+    def pending_by_tenant(self) -> Counter[str]:
+        return self.pending.pending_by_tenant
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        return self.leasing.leases
+
+    @property
+    def parked_all(self) -> dict[int, Any]:
+        return self.adoption.parked_all
+
+    @property
+    def parked_chunks(self) -> dict[int, Any]:
+        return self.adoption.parked_chunks
+
+    @property
+    def parked_ns(self) -> dict[bytes, list[Any]]:
+        return self.adoption.parked_ns
+
+    @property
+    def parked_parent(self) -> dict[bytes, list[Any]]:
+        return self.adoption.parked_parent
+
+    @property
+    def parked_ns_chunks(self) -> dict[bytes, list[Any]]:
+        return self.adoption.parked_ns_chunks
+
+    @property
+    def parked_rows(self) -> int:
+        return self.adoption.parked_rows
+
+    @property
+    def now_s(self) -> float:
+        """The latest ``now`` seen (tick, heartbeat)."""
+        return self.tiers.now_s
+
+    @property
+    def room_gen(self) -> int:
+        """Bumped whenever servers report finished demotions (puts waiting for room
+        try again)."""
+        return self.heartbeats.room_gen
+
+    @property
+    def on_room(self) -> Callable[[], None] | None:
+        return self.heartbeats.on_room
+
+    @on_room.setter
+    def on_room(self, fn: Callable[[], None] | None) -> None:
+        self.heartbeats.on_room = fn
+
+    def _live_servers(self) -> list[ServerRecord]:
+        return self.membership.live_servers()
+
+    def _evict(
+        self,
+        srv: ServerRecord,
+        target_used: int = -1,
+        need_contiguous: int = 0,
+        max_bytes: int = 1 << 62,
+    ) -> int:
+        return self.index.evict(srv, target_used, need_contiguous, max_bytes)
 
     # ---- control plane -------------------------------------------------------------
 
     def register_namespace(self, descriptor: dict[str, Any], spec: LayoutSpec) -> NamespaceRecord:
         layout = Layout(spec)  # validates; LayoutError propagates to the caller
         fp = keys.fingerprint(descriptor)
-        ns = self.namespaces.get(fp)
+        namespaces = self.index.namespaces
+        ns = namespaces.get(fp)
         if ns is not None:
             return ns
-        if len(self.namespaces) >= MAX_NAMESPACES:
+        if len(namespaces) >= MAX_NAMESPACES:
             raise LayoutError(f"too many namespaces (limit {MAX_NAMESPACES})")
-        ns = NamespaceRecord(len(self.namespaces) + 1, fp, layout, descriptor)
-        self.namespaces[fp] = ns
-        self._ns_by_id[ns.ns_id] = ns
+        ns = NamespaceRecord(len(namespaces) + 1, fp, layout, descriptor)
+        namespaces[fp] = ns
+        self.index.ns_by_id[ns.ns_id] = ns
         # What servers reported for it before it was registered (a meta restart).
-        self.adopt_parked_namespace(ns, self.now_s)
+        self.rebuild.adopt_parked_namespace(ns, self.now_s)
         return ns
 
     def register_server(
@@ -189,22 +353,15 @@ class MetaCore(Rebuild):
     ) -> ServerRecord:
         """Add (or refresh) a server. ``report``: it holds objects it will report
         (``report_objects``); nothing is placed on it until the report is complete."""
-        old = self.servers.get(addr.server_id)
-        if old is not None and old.incarnation == incarnation and old.alive:
-            old.last_seen = now
-            return old
-        if old is not None:
-            self.drop_server(old, reason="re-registered with a new incarnation")
-        rec = ServerRecord(addr.server_id, addr, secret, incarnation, capacity, now)
-        rec.nvme_capacity = nvme_capacity
-        rec.dram_read_gbps = addr.dram_read_gbps
-        rec.nvme_read_gbps = nvme_read_gbps or addr.nvme_read_gbps
-        rec.nvme_write_gbps = nvme_write_gbps
-        rec.grant_epoch = self.epoch
-        self.servers[addr.server_id] = rec
+        rec, new = self.membership.register_server(
+            addr, secret, incarnation, capacity, now,
+            nvme_capacity, nvme_read_gbps, nvme_write_gbps,
+        )  # fmt: skip
+        if not new:
+            return rec
         if report:
-            self.begin_report(rec)
-        self._live = None
+            self.rebuild.begin_report(rec)
+        self.membership.invalidate()
         self.counters["servers_registered"] += 1
         return rec
 
@@ -218,91 +375,36 @@ class MetaCore(Rebuild):
     ) -> tuple[bool, list[tuple[int, int]]]:
         """Returns (must re-register, ranges freed since the last heartbeat). The
         whole reply (adopt, demote, drop_nvme) is :meth:`tier_heartbeat`'s."""
-        out = self.tier_heartbeat(server_id, incarnation, counters, now, demoted)
+        out = self.heartbeats.tier_heartbeat(server_id, incarnation, counters, now, demoted)
         return out.reregister, out.free
 
     def drop_server(self, rec: ServerRecord, reason: str) -> None:
-        """A server died or restarted: its DRAM is gone, so are its objects. Walks
-        that server's own objects (its rings), never the rest of the index."""
-        if not rec.alive:
-            return
-        rec.alive = False
-        self._live = None
-        self.counters["servers_dropped"] += 1
-        for ns_id, ring in rec.rings.items():
-            ns = self._ns_by_id[ns_id]
-            while ring.next_on is not ring:
-                obj = ring.next_on
-                assert isinstance(obj, ObjectRecord)
-                entry = obj.entry
-                self._unlink(ns, entry, obj.group, SERVER_LOST)  # also off the ring
-                obj.state = GONE
-                self._prune(ns, entry)
-        rec.rings.clear()
-        rec.demoting.clear()
-        rec.adopt_out.clear()
-        rec.demote_out.clear()
-        rec.promoting.clear()
-        rec.promote_out.clear()
-        rec.parked.clear()
-        if self.servers.get(rec.server_id) is rec:
-            del self.servers[rec.server_id]
-        self.policy.forget_server(rec)
-        self.nvme_policy.forget_server(rec)
+        self.membership.drop_server(rec, reason)
 
     # ---- sessions ------------------------------------------------------------------
 
     def end_session(self, session: Session, now: float) -> None:
         """A hot-path connection closed: abort its pending puts (their ranges go to
         quarantine) and release its leases, at once."""
-        for put_id in list(session.puts):
-            put = self.puts.get(put_id)
-            if put is not None and put.owner is session:
-                self._drop_put(put)
-                self.counters["session_puts_aborted"] += 1
-        session.puts.clear()
-        for lease_id in list(session.leases):
-            lease = self.leases.get(lease_id)
-            if lease is not None and lease.owner is session:
-                self._end_lease(lease)
-                self.counters["session_leases_released"] += 1
-        session.leases.clear()
+        self.pending.end_session(session)
+        self.leasing.end_session(session)
         self.counters["sessions_ended"] += 1
 
     # ---- time ----------------------------------------------------------------------
-
-    def stalled(self, seconds: float) -> None:
-        """The meta itself was not listening for ``seconds`` (its driver saw its
-        event loop that late: a long rebuild step, a stalled host): the servers get
-        that time as credit, so none is dropped for heartbeats nobody read."""
-        for srv in self.servers.values():
-            srv.last_seen += seconds
-        self.counters["stalls"] += 1
 
     def tick(self, now: float) -> None:
         """Expire leases and abandoned puts, return quarantined ranges whose grants
         expired, drop silent servers, enforce watermarks (demoting), free parked
         reported objects that waited too long."""
-        self.now_s = max(self.now_s, now)
-        self.expire_parked(now)
-        while self._lease_heap and self._lease_heap[0][0] <= now:
-            _, lease_id = heapq.heappop(self._lease_heap)
-            lease = self.leases.get(lease_id)
-            if lease is not None and lease.expiry <= now:
-                self._end_lease(lease)
-                self.counters["leases_expired"] += 1
-        while self._put_heap and self._put_heap[0][0] <= now:
-            _, put_id = heapq.heappop(self._put_heap)
-            put = self.puts.get(put_id)
-            if put is not None and put.deadline <= now:
-                self._drop_put(put)
-                self.counters["puts_reclaimed"] += 1
-        self._release_quarantine(now)
-        for srv in list(self.servers.values()):
+        self.tiers.now_s = max(self.tiers.now_s, now)
+        self.rebuild.expire_parked(now)
+        self.leasing.expire(now)
+        self.pending.expire(now)  # and the quarantine
+        for srv in list(self.membership.servers.values()):
             if now - srv.last_seen > self.cfg.heartbeat_timeout_s:
-                self.drop_server(srv, reason="missed heartbeats")
+                self.membership.drop_server(srv, reason="missed heartbeats")
             else:
-                self._check_watermark(srv)
+                self.tiers.check_watermark(srv)
 
     # ---- stats ---------------------------------------------------------------------
 
@@ -311,26 +413,28 @@ class MetaCore(Rebuild):
         out.update(self.counters)
         if self.ha_stats is not None:
             out.update(self.ha_stats())
-        live = [s for s in self.servers.values() if s.alive]
+        servers = self.membership.servers
+        live = [s for s in servers.values() if s.alive]
+        index = self.index
         out.update(
-            namespaces=len(self.namespaces),
+            namespaces=len(index.namespaces),
             servers=len(live),
-            index_entries=self.entries,
-            objects=self.live_objects,
-            bytes_stored=self.live_bytes,
-            pending_puts=len(self.puts),
-            pending_bytes=self.pending_bytes,
+            index_entries=index.entries,
+            objects=index.live_objects,
+            bytes_stored=index.live_bytes,
+            pending_puts=len(self.pending.puts),
+            pending_bytes=self.pending.pending_bytes,
             quarantined_bytes=sum(s.quarantined_bytes for s in live),
-            quarantined_ranges=len(self.quarantine),
-            active_leases=len(self.leases),
-            tenants=len(self.tenant_bytes),
-            capacity=sum(s.allocator.capacity for s in self.servers.values()),
-            used=sum(s.allocator.used for s in self.servers.values()),
+            quarantined_ranges=len(index.quarantine),
+            active_leases=len(self.leasing.leases),
+            tenants=len(index.tenant_bytes),
+            capacity=sum(s.allocator.capacity for s in servers.values()),
+            used=sum(s.allocator.used for s in servers.values()),
         )
-        out.update(self.tier_stats())
-        out["parked_objects"] = len(self.parked_all) + self.parked_rows
+        out.update(self.heartbeats.tier_stats())
+        out["parked_objects"] = len(self.adoption.parked_all) + self.adoption.parked_rows
         out.update(self.removals.stats())
-        for name, val in self.group_bytes.items():
+        for name, val in index.group_bytes.items():
             out[f"bytes_stored_{name}"] = val
         lookups = self.counters["lookup_blocks"]
         out["block_hit_rate"] = self.counters["hit_blocks"] / lookups if lookups else 0.0

@@ -70,7 +70,6 @@ class _Ring:
         return max(0, self.end - self.cap)
 
 
-
 @dataclass(slots=True)
 class Subscriber:
     sub_id: int

@@ -1,3 +1,4 @@
+# One file (over 450 lines): the policies share one interface and one compute model.
 """Eviction policies behind one small interface, and the compute model they use.
 
 What may be evicted: any windowed (``swa``) object on its own (an interior one

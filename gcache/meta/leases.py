@@ -4,13 +4,15 @@ held by the session that asked, released only by it (or by expiry or its end).""
 from __future__ import annotations
 
 import heapq
+from collections import Counter
+from collections.abc import Callable
 from operator import attrgetter, itemgetter
 
 from gcache import capability, wire
-from gcache.config import GRANT_MARGIN_S
+from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_NO_SPACE, Refusal
-from gcache.meta.puts import IdSource, Puts, wall_ms
-from gcache.meta.reclaim import present_prefix
+from gcache.meta.ids import IdSource, wall_ms
+from gcache.meta.index import Index, present_prefix
 from gcache.meta.records import EVICTED, LIVE, BlockEntry, Lease, NamespaceRecord, ObjectRecord
 from gcache.meta.session import LOCAL, Session
 
@@ -20,15 +22,31 @@ _OBJECTS = attrgetter("objects")
 _LEASE_IDS = IdSource()
 
 
-class Leases(Puts):
-    leases: dict[int, Lease]
-    _lease_heap: list[tuple[float, int]]
+# Told the objects a lookup picked (after they are touched): the tiers count the
+# hits of NVMe objects for promotion.
+OnPick = Callable[[NamespaceRecord, list[ObjectRecord]], None]
+
+
+def _no_pick(ns: NamespaceRecord, picked: list[ObjectRecord]) -> None:
+    pass
+
+
+class Leases:
+    def __init__(
+        self, cfg: MetaConfig, counters: Counter[str], index: Index, on_pick: OnPick = _no_pick
+    ) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.index = index
+        self.on_pick = on_pick
+        self.leases: dict[int, Lease] = {}
+        self._lease_heap: list[tuple[float, int]] = []
 
     def lookup(
         self, req: wire.Lookup, now: float, wall: float, session: Session = LOCAL
     ) -> wire.LookupResult:
-        ns = self._namespace(req.namespace, session.principal)
-        self._check_keys(req.keys)
+        ns = self.index.namespace(req.namespace, session.principal)
+        self.index.check_keys(req.keys)
         layout = ns.layout
         if req.lease and len(session.leases) >= self.cfg.max_leases_per_client:
             raise Refusal(
@@ -92,18 +110,21 @@ class Leases(Puts):
     def pick(
         self, ns: NamespaceRecord, chain: list[BlockEntry], p: int, now: float
     ) -> list[ObjectRecord]:
-        """The objects a match of ``p`` blocks reads, touched (a reuse) for the policy."""
+        """The objects a match of ``p`` blocks reads, touched (a reuse) for the policy,
+        then shown to ``on_pick``."""
         picked: list[ObjectRecord] = []
-        for g, tail in enumerate(ns.layout.group_tail_blocks):
-            lo = 0 if tail is None else max(0, p - tail)
-            for j in range(lo, p):
+        layout = ns.layout
+        for g in range(layout.num_groups):
+            for j in layout.window_blocks(g, p):
                 obj = chain[j].objects[g]
                 assert obj is not None
                 picked.append(obj)
+        pol = self.index.pol
         for obj in picked:
             age = now - obj.last_access
             obj.last_access = now
-            self._pol(obj).touch(obj, ns, age)
+            pol(obj).touch(obj, ns, age)
+        self.on_pick(ns, picked)
         return picked
 
     def release(self, lease_id: int, session: Session = LOCAL) -> bool:
@@ -124,6 +145,23 @@ class Leases(Puts):
             obj.pins -= 1
             if obj.pins == 0:
                 if obj.state == EVICTED:
-                    self._release_evicted(obj)
+                    self.index.release_evicted(obj)
                 elif obj.state == LIVE:
-                    self._pol(obj).unpinned(obj, lease.ns)
+                    self.index.pol(obj).unpinned(obj, lease.ns)
+
+    def end_session(self, session: Session) -> None:
+        """Release the leases of a closed session."""
+        for lease_id in list(session.leases):
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.owner is session:
+                self._end_lease(lease)
+                self.counters["session_leases_released"] += 1
+        session.leases.clear()
+
+    def expire(self, now: float) -> None:
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            _, lease_id = heapq.heappop(self._lease_heap)
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.expiry <= now:
+                self._end_lease(lease)
+                self.counters["leases_expired"] += 1

@@ -1,4 +1,4 @@
-"""Pacing the servers' report streams by block position (issue 10, meta rebuild).
+"""Pacing the servers' report streams by block position (meta rebuild).
 
 After a meta restart every server streams its manifest at once, each sorted by
 block position; a block's parent is usually on another server. A stream that runs

@@ -4,8 +4,13 @@ one put may reserve and evict), evicting when nothing fits. No I/O, no clock."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+
+from gcache.config import MetaConfig
 from gcache.errors import PutWait
-from gcache.meta.reclaim import IndexStore
+from gcache.meta.index import Index
+from gcache.meta.membership import Membership
 from gcache.meta.records import NamespaceRecord, Placed, Plan, ServerRecord
 
 UNBOUNDED = 1 << 62
@@ -39,9 +44,32 @@ def balance_key(srv: ServerRecord) -> tuple[float, int]:
     return (srv.recent_write / cap) / (0.5 + free / cap), -free
 
 
-class Placement(IndexStore):
-    servers: dict[str, ServerRecord]
-    _live: list[ServerRecord] | None
+# How a put's object that does not fit on a server makes room there, within the
+# put's budget; returns the bytes evicted (the tiers' demotion is one such strategy).
+MakeRoom = Callable[[ServerRecord, int, Budget], int]
+
+
+def evict_room(index: Index) -> MakeRoom:
+    """The plain strategy: evict in the DRAM policy's order until the object fits."""
+
+    def make_room(srv: ServerRecord, size: int, budget: Budget) -> int:
+        return index.evict(srv, need_contiguous=size, max_bytes=budget.evict)
+
+    return make_room
+
+
+class Placement:
+    def __init__(
+        self,
+        cfg: MetaConfig,
+        counters: Counter[str],
+        members: Membership,
+        make_room: MakeRoom,
+    ) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.members = members
+        self.make_room = make_room
 
     def place(
         self,
@@ -116,7 +144,7 @@ class Placement(IndexStore):
         sizes = ns.layout.group_object_bytes
         have = {(p[0], p[1]) for p in placed} if placed else None
         deduped = no_space = 0
-        live = self._live_servers()
+        live = self.members.live_servers()
         # One server (the replayer, small deployments): allocate there directly.
         only = live[0] if len(live) == 1 else None
         alloc = only.allocator.alloc if only is not None else None
@@ -174,28 +202,10 @@ class Placement(IndexStore):
 
     def _below_low_watermark(self) -> bool:
         used = cap = 0
-        for srv in self._ready_servers():
+        for srv in self.members.ready_servers():
             used += srv.reclaimable_used
             cap += srv.allocator.capacity
         return used < self.cfg.low_watermark * cap
-
-    def _live_servers(self) -> list[ServerRecord]:
-        """Servers new data may go to: alive, their report complete (a server still
-        reporting what it holds may hold live data in any range), and their manifest
-        outbox below ``adopt_outbox`` (backpressure: a server whose commits are not
-        recorded yet takes no new placements until a heartbeat drains it, so every
-        commit reaches its manifest)."""
-        live = self._live
-        if live is None:
-            bound = self.cfg.adopt_outbox
-            live = self._live = [
-                s for s in self.servers.values() if s.alive and s.ready and len(s.adopt_out) < bound
-            ]
-        return live
-
-    def _ready_servers(self) -> list[ServerRecord]:
-        """Alive servers with their report complete (placement paused or not)."""
-        return [s for s in self.servers.values() if s.alive and s.ready]
 
     def _placed(self, srv: ServerRecord, size: int, now: float) -> None:
         """Count ``size`` bytes placed on ``srv`` in its recent write load, which
@@ -206,9 +216,6 @@ class Placement(IndexStore):
             srv.recent_at = now
         srv.recent_write += size
 
-    def live_capacity(self) -> int:
-        return sum(s.allocator.capacity for s in self._ready_servers())
-
     def _allocate(
         self, size: int, budget: Budget, now: float = 0.0
     ) -> tuple[ServerRecord, int] | None:
@@ -216,7 +223,7 @@ class Placement(IndexStore):
         per byte of capacity, weighed by its free space (:func:`balance_key`: a
         restarted, empty server takes a larger share of new writes, not all of
         them), evicting (within ``budget.evict``) if nothing fits."""
-        live = self._live_servers()
+        live = self.members.live_servers()
         if not live:
             return None
         best = live[0] if len(live) == 1 else min(live, key=balance_key)
@@ -231,17 +238,10 @@ class Placement(IndexStore):
         for srv in order:
             if budget.evict <= 0:
                 break
-            budget.evict -= self._make_room(srv, size, budget)
+            budget.evict -= self.make_room(srv, size, budget)
             off = srv.allocator.alloc(size)
             if off is not None:
                 return srv, off
         if budget.wait and any(s.demoting_bytes >= size for s in order):
             budget.busy += 1  # room is on its way: the put waits instead (place)
         return None
-
-    def _make_room(self, srv: ServerRecord, size: int, budget: Budget) -> int:
-        """Make ``size`` contiguous bytes free on ``srv`` for a put, within
-        ``budget.evict``; returns the bytes evicted. Here: evict in the policy's
-        order. The NVMe tier (meta/tiers.py) demotes worth-keeping objects instead
-        while the put may wait."""
-        return self._evict(srv, need_contiguous=size, max_bytes=budget.evict)

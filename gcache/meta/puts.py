@@ -5,13 +5,15 @@ pending put is quarantined until its write grants have expired. No I/O."""
 from __future__ import annotations
 
 import heapq
-import os
 from collections import Counter
-from collections.abc import Container
+from collections.abc import Callable
 
 from gcache import capability, wire
-from gcache.config import GRANT_MARGIN_S
+from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_PUT, Refusal
+from gcache.meta.ids import new_id, wall_ms
+from gcache.meta.index import Index
+from gcache.meta.membership import Membership
 from gcache.meta.placement import UNBOUNDED, Budget, Placement
 from gcache.meta.records import (
     BlockEntry,
@@ -24,52 +26,32 @@ from gcache.meta.records import (
 from gcache.meta.session import LOCAL, Session
 
 
-def wall_ms(now: float, mono_now: float, at: float) -> int:
-    """Unix ms of monotonic instant ``at``."""
-    return int((now + (at - mono_now)) * 1000)
-
-
-class IdSource:
-    """Random non-zero 64-bit ids, unguessable (the kernel's CSPRNG), drawn
-    ``batch`` at a time: one ``getrandom`` per 512 ids instead of one per id
-    (``secrets.randbits``), which the meta's profile showed on every leased Lookup and put."""
-
-    __slots__ = ("_ids",)
-
-    def __init__(self) -> None:
-        self._ids: list[int] = []
-
-    def next(self, taken: Container[int], batch: int = 512) -> int:
-        ids = self._ids
-        while True:
-            if not ids:
-                raw = os.urandom(8 * batch)
-                ids += (int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8))
-            i = ids.pop()
-            if i and i not in taken:
-                return i
-
-
-_PUT_IDS = IdSource()
-
-
-def new_id(taken: Container[int]) -> int:
-    """A random, non-zero 64-bit put id not in ``taken``: unguessable by other
-    clients, and an id from before a meta restart names nothing after it."""
-    return _PUT_IDS.next(taken)
-
-
-class Puts(Placement):
-    puts: dict[int, PendingPut]
-    _put_heap: list[tuple[float, int]]
-    pending_bytes: int
-    pending_by_session: Counter[int]  # session id -> bytes its pending puts hold
-    pending_by_tenant: Counter[str]
+class Puts:
+    def __init__(
+        self,
+        cfg: MetaConfig,
+        counters: Counter[str],
+        index: Index,
+        members: Membership,
+        placement: Placement,
+        check_watermark: Callable[[ServerRecord], None],
+    ) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.index = index
+        self.members = members
+        self.placement = placement
+        self.check_watermark = check_watermark  # after a commit, per server touched
+        self.puts: dict[int, PendingPut] = {}
+        self._put_heap: list[tuple[float, int]] = []
+        self.pending_bytes = 0
+        self.pending_by_session: Counter[int] = Counter()  # session id -> bytes held
+        self.pending_by_tenant: Counter[str] = Counter()
 
     def put_budget(self, session: Session) -> Budget:
         """What a new put of ``session`` may reserve and evict (MetaConfig bounds)."""
         cfg = self.cfg
-        cap = self.live_capacity()
+        cap = self.members.live_capacity()
         alloc = min(
             int(cfg.max_pending_per_client * cap) - self.pending_by_session[session.sid],
             int(cfg.max_pending_total * cap) - self.pending_bytes,
@@ -77,7 +59,7 @@ class Puts(Placement):
         quota = session.principal.quota_bytes
         if quota:
             name = session.principal.name
-            alloc = min(alloc, quota - self.tenant_bytes[name] - self.pending_by_tenant[name])
+            alloc = min(alloc, quota - self.index.tenant_bytes[name] - self.pending_by_tenant[name])
         return Budget(max(0, alloc), int(cfg.max_evict_per_put * cap))
 
     def put_begin(
@@ -91,8 +73,8 @@ class Puts(Placement):
         """``wait``: rather than evict worth-keeping objects when DRAM is full while
         demotions in flight will make the room, raise ``PutWait`` (nothing placed;
         the hot path places the put again once they are reported)."""
-        ns = self._namespace(req.namespace, session.principal)
-        self._check_keys(req.keys)
+        ns = self.index.namespace(req.namespace, session.principal)
+        self.index.check_keys(req.keys)
         if len(req.groups) != len(req.keys):
             raise Refusal(E_BAD_REQUEST, "groups must have one bitmask per key")
         allowed = (1 << ns.layout.num_groups) - 1
@@ -100,11 +82,11 @@ class Puts(Placement):
             raise Refusal(E_BAD_REQUEST, f"group bitmask outside {allowed:#x}")
         if not -1 <= req.checkpoint_from <= len(req.keys):
             raise Refusal(E_BAD_REQUEST, f"checkpoint_from {req.checkpoint_from} out of range")
-        self._release_quarantine(now)
+        self.index.release_quarantine(now)
         budget = self.put_budget(session)
         budget.wait = wait
         want = budget.alloc
-        plan = self.place(ns, req.keys, req.groups, now, req.checkpoint_from, budget)
+        plan = self.placement.place(ns, req.keys, req.groups, now, req.checkpoint_from, budget)
         if plan.no_space and budget.alloc < want and budget.alloc < UNBOUNDED:
             self.counters["objects_over_bounds"] += plan.no_space
         placed = plan.placements
@@ -255,16 +237,16 @@ class Puts(Placement):
                 continue
             if block != last or entry is None:  # placements come block by block
                 got = entries.get(key_list[block])
-                entry = got if got is not None else self._ensure_entry(ns, key_list, block)
+                entry = got if got is not None else self.index.ensure_entry(ns, key_list, block)
                 last = block
             if entry.objects[g] is not None:  # a concurrent put committed it first
                 self._put_back(srv, off, size, hold_until)
                 self.counters["objects_deduped"] += 1
                 continue
             obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now, owner)
-            self._link_object(ns, entry, obj)
+            self.index.link_object(ns, entry, obj)
             if record:
-                self._record(ns, obj)
+                self.index.record(ns, obj)
             added[g] += size
             objs.append(obj)
             touched[srv.server_id] = srv
@@ -272,26 +254,26 @@ class Puts(Placement):
         for g, size in enumerate(added):
             if size:
                 total += size
-                self.group_bytes[layout.group_names[g]] += size
-        self.live_bytes += total
+                self.index.group_bytes[layout.group_names[g]] += size
+        self.index.live_bytes += total
         if owner and total:
-            self.tenant_bytes[owner] += total
+            self.index.tenant_bytes[owner] += total
         # Admit once everything is linked, so the policy sees the final tree.
-        admit = self.policy.admit
+        admit = self.index.policy.admit
         for obj in objs:
             admit(obj, ns)
-        self.live_objects += len(objs)
+        self.index.live_objects += len(objs)
         self.counters["puts_committed"] += 1
         self.counters["objects_committed"] += len(objs)
         for srv in touched.values():
-            self._check_watermark(srv)
+            self.check_watermark(srv)
         return len(objs)
 
     def _put_back(self, srv: ServerRecord, off: int, size: int, hold_until: float | None) -> None:
         if hold_until is None:
-            self._free_range(srv, off, size)
+            self.index.free_range(srv, off, size)
         else:
-            self._quarantine(srv, off, size, hold_until)
+            self.index.quarantine_range(srv, off, size, hold_until)
 
     def put_abort(self, put_id: int, session: Session = LOCAL) -> bool:
         put = self._owned_put(put_id, session)
@@ -305,4 +287,24 @@ class Puts(Placement):
         """Forget ``put``; its ranges wait in quarantine for its grants to expire."""
         self._settle(put)
         for _, _, srv, off, size in put.placements:
-            self._quarantine(srv, off, size, put.deadline)
+            self.index.quarantine_range(srv, off, size, put.deadline)
+
+    def end_session(self, session: Session) -> None:
+        """Abort the pending puts of a closed session (their ranges go to quarantine)."""
+        for put_id in list(session.puts):
+            put = self.puts.get(put_id)
+            if put is not None and put.owner is session:
+                self._drop_put(put)
+                self.counters["session_puts_aborted"] += 1
+        session.puts.clear()
+
+    def expire(self, now: float) -> None:
+        """Reclaim puts past their deadline, then return quarantined ranges whose
+        grants expired."""
+        while self._put_heap and self._put_heap[0][0] <= now:
+            _, put_id = heapq.heappop(self._put_heap)
+            put = self.puts.get(put_id)
+            if put is not None and put.deadline <= now:
+                self._drop_put(put)
+                self.counters["puts_reclaimed"] += 1
+        self.index.release_quarantine(now)

@@ -1,3 +1,4 @@
+# One file (over 450 lines): the report protocol (chunks, retries, completion) is one state machine.
 """Rebuilding the index from the servers' reports (after a meta or server restart).
 
 After ``RegisterServer`` a server that holds objects streams its manifest
@@ -30,17 +31,23 @@ two servers) keep the first reported; the other is freed. No I/O.
 
 from __future__ import annotations
 
+from collections import Counter
 from operator import attrgetter, itemgetter
 from typing import Any
 
+from gcache.config import MetaConfig
 from gcache.keys import KEY_SIZE
-from gcache.meta.adopt import Adoption, Parked, ParkedChunk, parked_from
+from gcache.meta.adopt import Adoption, parked_from
+from gcache.meta.index import Index
+from gcache.meta.membership import Membership
 from gcache.meta.records import (
     GONE,
     LIVE,
     BlockEntry,
     NamespaceRecord,
     ObjectRecord,
+    Parked,
+    ParkedChunk,
     ServerRecord,
 )
 from gcache.storage.allocator import SegmentAllocator
@@ -54,27 +61,43 @@ _POS = attrgetter("pos")
 __all__ = ["RETRY_EAGER", "Parked", "Rebuild"]  # Parked: callers import it from here
 
 
-class Rebuild(Adoption):
-    # records reported since the last retry of parked_parent
-    _since_retry: int = 0
-    # objects of a server adopted while another server's report was adopted (a
-    # parent arrived): added to its own ReportObjectsReply.adopted
-    _credit: dict[str, int] | None = None
-    # server id -> its last chunk's records whose parent was missing: retried after
-    # the other servers' chunks, parked before its own next chunk (meta/pacing.py
-    # holds that stream meanwhile)
-    _deferred: dict[str, list[Parked]] | None = None
+class Rebuild:
+    """The servers' reports, chunk by chunk, into :class:`Adoption` (which owns the
+    parked books); a server's allocator built when its report is complete."""
+
+    def __init__(
+        self,
+        cfg: MetaConfig,
+        counters: Counter[str],
+        index: Index,
+        members: Membership,
+        adoption: Adoption,
+    ) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.index = index
+        self.members = members
+        self.adoption = adoption
+        # records reported since the last retry of parked_parent
+        self._since_retry = 0
+        # objects of a server adopted while another server's report was adopted (a
+        # parent arrived): added to its own ReportObjectsReply.adopted
+        self._credit: dict[str, int] | None = None
+        # server id -> its last chunk's records whose parent was missing: retried
+        # after the other servers' chunks, parked before its own next chunk
+        # (meta/pacing.py holds that stream meanwhile)
+        self._deferred: dict[str, list[Parked]] | None = None
 
     def begin_report(self, srv: ServerRecord) -> None:
         """``srv`` will report what it holds: no placement on it until it is done."""
         if srv.reported is None and not srv.objects:
             srv.reported = {}
-            self._live = None
+            self.members.invalidate()
         if self._credit:
             self._credit.pop(srv.server_id, None)
 
     def _reporting(self, server_id: str, incarnation: int, now: float) -> ServerRecord | None:
-        srv = self.servers.get(server_id)
+        srv = self.members.servers.get(server_id)
         if srv is None or not srv.alive or srv.incarnation != incarnation:
             return None
         srv.last_seen = now
@@ -92,7 +115,7 @@ class Rebuild(Adoption):
             return None
         if srv.reported is None:
             return 0, self._reported_again(srv, parked_from(cols))
-        adopted, dropped, deferred = self._adopt_columns(srv, cols, now)
+        adopted, dropped, deferred = self.adoption.adopt_columns(srv, cols, now)
         return self._after_chunk(srv, adopted, dropped, deferred, last, now)
 
     def report_objects(
@@ -117,13 +140,13 @@ class Rebuild(Adoption):
             if len(k) != KEY_SIZE or (p and len(p) != KEY_SIZE) or (rec.pos == 0) != (not p):
                 rec.server, rec.since = srv, now
                 self.counters["report_invalid"] += 1
-                self._release_parked(rec)
+                self.adoption.release_parked(rec)
                 dropped += 1
             else:
                 good.append(rec)
         good.sort(key=_POS)
         cols = columns_of(good)
-        adopted, lost, deferred = self._adopt_columns(srv, cols, now)
+        adopted, lost, deferred = self.adoption.adopt_columns(srv, cols, now)
         return self._after_chunk(srv, adopted, dropped + lost, deferred, last, now)
 
     def _reported_again(self, srv: ServerRecord, records: list[Parked]) -> int:
@@ -132,7 +155,7 @@ class Rebuild(Adoption):
         may have been placed again since). Returns the records not accepted."""
         dropped = 0
         for rec in records:
-            known = self.namespaces.get(rec.namespace)
+            known = self.index.namespaces.get(rec.namespace)
             entry = known.entries.get(rec.key) if known is not None else None
             ok = entry is not None and rec.group < len(entry.objects)
             have = entry.objects[rec.group] if entry is not None and ok else None
@@ -171,7 +194,7 @@ class Rebuild(Adoption):
                 self._retry_deferred(deferred, now, park=True)
             else:
                 dmap[srv.server_id] = deferred
-        if self.parked_parent:
+        if self.adoption.parked_parent:
             waiting = self._waiting_parents()
             if last or waiting <= RETRY_EAGER or self._since_retry >= waiting:
                 self._retry_parents(now)
@@ -197,7 +220,7 @@ class Rebuild(Adoption):
             srv = rec.server
             if rec.namespace != fp:
                 fp = rec.namespace
-                ns = self.namespaces.get(fp)
+                ns = self.index.namespaces.get(fp)
                 entries = ns.entries if ns is not None else {}
             if srv is None or not srv.alive or ns is None:
                 continue
@@ -209,7 +232,7 @@ class Rebuild(Adoption):
                 rest.append(rec)
         n = 0
         if ready:
-            n, _, missed = self._adopt_columns(None, columns_of(ready), now, ready, credit)
+            n, _, missed = self.adoption.adopt_columns(None, columns_of(ready), now, ready, credit)
             if missed:
                 rest += missed
                 rest.sort(key=_POS)
@@ -220,11 +243,11 @@ class Rebuild(Adoption):
         for rec in rest:
             srv = rec.server
             assert srv is not None
-            if self._clash(srv, rec):
+            if self.adoption.clash(srv, rec):
                 self.counters["report_invalid"] += 1
-                self._release_parked(rec)
+                self.adoption.release_parked(rec)
             else:
-                self._park(rec, self.parked_parent.setdefault(rec.namespace, []))
+                self.adoption.park(rec, self.adoption.parked_parent.setdefault(rec.namespace, []))
         return []
 
     def deferred_of(self, server_id: str) -> int:
@@ -233,7 +256,7 @@ class Rebuild(Adoption):
         return len(recs) if recs else 0
 
     def _waiting_parents(self) -> int:
-        return sum(len(v) for v in self.parked_parent.values())
+        return sum(len(v) for v in self.adoption.parked_parent.values())
 
     def _retry_parents(self, now: float) -> int:
         """Adopt, in block order, the parked records whose parent block is now in
@@ -241,12 +264,12 @@ class Rebuild(Adoption):
         adoption); the rest wait on. Returns the objects adopted (credited to their
         servers, see ``_credit``)."""
         self._since_retry = 0
-        pools, self.parked_parent = self.parked_parent, {}
-        parked = self.parked_all
+        pools, self.adoption.parked_parent = self.adoption.parked_parent, {}
+        parked = self.adoption.parked_all
         credit = self._credit if self._credit is not None else {}
         n = 0
         for fp, pool in pools.items():
-            ns = self.namespaces.get(fp)
+            ns = self.index.namespaces.get(fp)
             if ns is None:
                 continue
             entries = ns.entries
@@ -265,7 +288,7 @@ class Rebuild(Adoption):
                     keep.append(rec)
             n += self._adopt_parked(ns, ready, now, credit)
             if keep:
-                waiting = self.parked_parent.setdefault(fp, [])
+                waiting = self.adoption.parked_parent.setdefault(fp, [])
                 waiting[:0] = keep
         self._credit = credit
         self.counters["objects_adopted"] += n
@@ -278,17 +301,17 @@ class Rebuild(Adoption):
         in one pass; those still missing their parent are parked again."""
         live: list[Parked] = []
         for rec in recs:
-            self._unpark(rec)
+            self.adoption.unpark(rec)
             srv = rec.server
             if srv is not None and srv.alive:
                 live.append(rec)
         if not live:
             return 0
-        got, _, deferred = self._adopt_columns(None, columns_of(live), now, live, credit)
+        got, _, deferred = self.adoption.adopt_columns(None, columns_of(live), now, live, credit)
         if deferred:
-            where = self.parked_parent.setdefault(ns.fingerprint, [])
+            where = self.adoption.parked_parent.setdefault(ns.fingerprint, [])
             for rec in deferred:
-                self._park(rec, where)
+                self.adoption.park(rec, where)
         return got
 
     def _complete(self, srv: ServerRecord) -> None:
@@ -299,7 +322,7 @@ class Rebuild(Adoption):
         assert reported is not None
         ranges = [(off, o.length) for off, o in reported.items()]
         ranges += [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
-        for chunk in self.parked_chunks.values():
+        for chunk in self.adoption.parked_chunks.values():
             if chunk.server is srv:
                 ranges += chunk.ranges.items()
         ranges.sort()
@@ -319,7 +342,7 @@ class Rebuild(Adoption):
             p.allocated = True
         srv.allocator = alloc
         srv.reported = None
-        self._live = None
+        self.members.invalidate()
         self.counters["reports_completed"] += 1
         for off, what in overlapping:
             self.counters["report_invalid"] += 1
@@ -331,29 +354,30 @@ class Rebuild(Adoption):
                 what.skip.add(off)
             elif isinstance(what, Parked):
                 what.allocated = False
-                self._unpark(what)
+                self.adoption.unpark(what)
             elif what.state == LIVE:
                 entry = what.entry
-                ns = next(n for n in self.namespaces.values() if n.entries.get(entry.key) is entry)
-                self._unlink(ns, entry, what.group)
+                nss = self.index.namespaces.values()
+                ns = next(n for n in nss if n.entries.get(entry.key) is entry)
+                self.index.unlink(ns, entry, what.group)
                 what.state = GONE
-                self._prune(ns, entry)
+                self.index.prune(ns, entry)
 
     def adopt_parked_namespace(self, ns: NamespaceRecord, now: float) -> int:
         """``ns`` was registered: adopt what was reported for it (its parked chunks
         merged in block order, in one pass)."""
-        n = self._adopt_chunks(ns, self.parked_ns_chunks.pop(ns.fingerprint, None), now)
-        waiting = self.parked_ns.pop(ns.fingerprint, None)
+        n = self._adopt_chunks(ns, self.adoption.parked_ns_chunks.pop(ns.fingerprint, None), now)
+        waiting = self.adoption.parked_ns.pop(ns.fingerprint, None)
         if not waiting:
             self.counters["objects_adopted"] += n
-            if self.parked_parent.get(ns.fingerprint):
+            if self.adoption.parked_parent.get(ns.fingerprint):
                 n += self._retry_parents(now)
             return n
         waiting.sort(key=_POS)
-        parked = self.parked_all
+        parked = self.adoption.parked_all
         n += self._adopt_parked(ns, [r for r in waiting if id(r) in parked], now, None)
         self.counters["objects_adopted"] += n
-        if self.parked_parent.get(ns.fingerprint):
+        if self.adoption.parked_parent.get(ns.fingerprint):
             n += self._retry_parents(now)
         return n
 
@@ -363,7 +387,7 @@ class Rebuild(Adoption):
         """Take the parked chunks of ``ns`` off the books and adopt their rows,
         merged in block order, in one pass; rows still missing their parent are
         parked one by one."""
-        live = [c for c in chunks or () if self._unpark_chunk(c) and c.server.alive]
+        live = [c for c in chunks or () if self.adoption.unpark_chunk(c) and c.server.alive]
         if not live:
             return 0
         names: tuple[str, ...] = ("namespace", "key", "parent", "pos", "group", "tier")
@@ -402,20 +426,20 @@ class Rebuild(Adoption):
                 lbs = list(pick(lbs))
                 owners = list(pick(owners))
             cols = Columns(**merged, layer_bytes=lbs if any(lbs) else None)
-        got, _, deferred = self._adopt_columns(None, cols, now, owners=owners)
+        got, _, deferred = self.adoption.adopt_columns(None, cols, now, owners=owners)
         if deferred:
-            where = self.parked_parent.setdefault(ns.fingerprint, [])
+            where = self.adoption.parked_parent.setdefault(ns.fingerprint, [])
             for rec in deferred:
-                self._park(rec, where)
+                self.adoption.park(rec, where)
         return got
 
     def parked_of(self, server_id: str) -> int:
         """Records of ``server_id`` still parked (waiting for a namespace or parent)."""
-        srv = self.servers.get(server_id)
+        srv = self.members.servers.get(server_id)
         if srv is None:
             return 0
-        rows = sum(len(c.cols) for c in self.parked_chunks.values() if c.server is srv)
-        return rows + sum(1 for r in self.parked_all.values() if r.server is srv)
+        rows = sum(len(c.cols) for c in self.adoption.parked_chunks.values() if c.server is srv)
+        return rows + sum(1 for r in self.adoption.parked_all.values() if r.server is srv)
 
     def expire_parked(self, now: float) -> None:
         """Free parked records older than ``parked_ttl_s``; park the records that
@@ -426,25 +450,25 @@ class Rebuild(Adoption):
                     del self._deferred[sid]
                     self._retry_deferred(due, now, park=True)
         cutoff = now - self.cfg.parked_ttl_s
-        chunks = self.parked_chunks
+        chunks = self.adoption.parked_chunks
         while chunks:
             chunk = next(iter(chunks.values()))
             if chunk.since > cutoff:
                 break
-            self._unpark_chunk(chunk)
-            self._release_chunk(chunk)
+            self.adoption.unpark_chunk(chunk)
+            self.adoption.release_chunk(chunk)
             self.counters["parked_expired"] += len(chunk.cols)
         if not chunks:
-            self.parked_ns_chunks.clear()
-        parked = self.parked_all
+            self.adoption.parked_ns_chunks.clear()
+        parked = self.adoption.parked_all
         while parked:
             rec = next(iter(parked.values()))
             if rec.since > cutoff:
                 break
-            self._unpark(rec)
-            self._release_parked(rec)
+            self.adoption.unpark(rec)
+            self.adoption.release_parked(rec)
             self.counters["parked_expired"] += 1
         if not parked:
             # Consumed lists may hold stale records: drop them with the last one.
-            self.parked_ns.clear()
-            self.parked_parent.clear()
+            self.adoption.parked_ns.clear()
+            self.adoption.parked_parent.clear()

@@ -9,14 +9,15 @@ group. Counters are maintained incrementally, never by rescanning.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from gcache import wire
 from gcache.layout import Layout
 from gcache.storage.allocator import SegmentAllocator
+from gcache.storage.columns import Columns
 
 if TYPE_CHECKING:
-    from gcache.meta.adopt import Parked, ParkedChunk
     from gcache.meta.session import Session
 
 LIVE: Final = 0  # in the index, readable
@@ -244,7 +245,7 @@ class ServerRecord:
         self.quarantined_bytes = 0
         # Live objects of this server, one ring per namespace id (a sentinel node).
         self.rings: dict[int, RingNode] = {}
-        # -- issue 10: tiers and restarts (gcache/meta/tiers.py, rebuild.py) --
+        # -- tiers and restarts (gcache/meta/tiers.py, rebuild.py) --
         self.nvme_capacity = 0
         self.dram_read_gbps = 0.0
         self.nvme_read_gbps = 0.0
@@ -257,7 +258,7 @@ class ServerRecord:
         # offset (the allocator is built from them at the end); None once complete.
         # Nothing is placed on a server whose report is not complete.
         self.reported: dict[int, ObjectRecord] | None = None
-        # Reported objects waiting for their namespace or parent (rebuild.Parked),
+        # Reported objects waiting for their namespace or parent (Parked),
         # DRAM ones by offset: their ranges stay allocated.
         self.parked: dict[int, Parked | ParkedChunk] = {}
         # The epoch this server's grants carry: the meta's (MetaCore.register_server).
@@ -363,3 +364,38 @@ class Lease:
         self.objects = objects
         self.expiry = expiry
         self.owner = owner  # only this session may release it
+
+
+@dataclass(slots=True)
+class Parked:
+    """One reported object (proto ``StoredObject``) of a server."""
+
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    pos: int
+    group: int
+    tier: int
+    offset: int
+    length: int
+    sums: bytes
+    seq: int
+    server: ServerRecord | None = None
+    since: float = 0.0
+    allocated: bool = False  # its DRAM range is in the allocator (report complete)
+    layer_bytes: tuple[int, ...] = ()  # per-layer lengths when unequal (else ())
+
+
+@dataclass(slots=True, eq=False)
+class ParkedChunk:
+    """A whole reported chunk waiting for its namespace, kept in its columns (no
+    object per record): its DRAM ranges by offset (in its server's ``parked``, kept
+    allocated), its expiry from ``since``."""
+
+    cols: Columns
+    server: ServerRecord
+    since: float
+    ranges: dict[int, int]  # DRAM offset -> length, of the records still parked
+    allocated: bool = False  # its DRAM ranges are in the allocator (report complete)
+    # DRAM offsets of rows whose range turned out to be another's: never adopted
+    skip: set[int] = field(default_factory=set)

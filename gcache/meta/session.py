@@ -19,8 +19,6 @@ __all__ = ["ANONYMOUS", "LOCAL", "Principal", "Session"]
 _SESSION_IDS = itertools.count(1)
 
 
-
-
 @dataclass(slots=True, eq=False)
 class Session:
     """One hot-path connection (or one in-process driver)."""

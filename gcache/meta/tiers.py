@@ -26,10 +26,10 @@ NVMe copy and the DRAM range freed (after the last read lease on it ends).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import TypeVar
 
+from gcache.config import MetaConfig
 from gcache.meta.eviction import (
     UNIT_COMPUTE,
     ZERO,
@@ -37,14 +37,12 @@ from gcache.meta.eviction import (
     ModelCompute,
     compute_for_layout,
 )
-from gcache.meta.leases import Leases
-from gcache.meta.placement import Budget
-from gcache.meta.reclaim import LEAVING_DRAM
+from gcache.meta.index import LEAVING_DRAM, Index
+from gcache.meta.placement import Budget, evict_room
 from gcache.meta.records import (
     EVICTED,
     GONE,
     LIVE,
-    BlockEntry,
     NamespaceRecord,
     ObjectRecord,
     ServerRecord,
@@ -105,63 +103,56 @@ class HeartbeatOut:
     more: bool = False
 
 
-T = TypeVar("T")
-
-
-def _held(srv: ServerRecord, length: int) -> int:
+def held(srv: ServerRecord, length: int) -> int:
     """DRAM bytes an object of ``length`` holds in ``srv``'s allocator (aligned), as
     ``allocator.used`` counts them."""
     mask = srv.allocator.align - 1
     return (length + mask) & ~mask
 
 
-def _take(items: list[T], n: int) -> list[T]:
-    """The first ``n`` of ``items``, removed from it."""
-    out = items[:n]
-    del items[:n]
-    return out
+class Tiers:
+    """Demotion and the watermarks of both tiers; :meth:`make_room` is placement's
+    strategy for a put whose object does not fit."""
 
-
-class Tiers(Leases):
-    epoch: int
-    now_s: float  # the latest ``now`` seen (tick, heartbeat): for demotion pauses
-    # Bumped whenever servers report finished demotions (DRAM freed), and
-    # ``on_room`` called: a put told to wait for room (``PutWait``) tries again.
-    room_gen: int = 0
-    on_room: Callable[[], None] | None = None
-    _compute: dict[int, ModelCompute]
+    def __init__(self, cfg: MetaConfig, counters: Counter[str], index: Index) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.index = index
+        self.now_s = 0.0  # the latest ``now`` seen (tick, heartbeat): demotion pauses
+        self._compute: dict[int, ModelCompute] = {}
+        self._evict_room = evict_room(index)
 
     # ---- DRAM watermark: demote or drop --------------------------------------------
 
-    def _check_watermark(self, srv: ServerRecord) -> None:
+    def check_watermark(self, srv: ServerRecord) -> None:
         cfg = self.cfg
         cap = srv.allocator.capacity
         used = srv.reclaimable_used
         if used > cfg.high_watermark * cap:
             target = int(cfg.low_watermark * cap)
             if cfg.demote:
-                self._demote_or_drop(srv, target)
+                self.demote_or_drop(srv, target)
             else:
-                self._evict(srv, target_used=target, max_bytes=cap)
+                self.index.evict(srv, target_used=target, max_bytes=cap)
         elif cfg.demote and srv.nvme_capacity and used > cfg.demote_watermark * cap:
             self._demote_ahead(srv, int(cfg.demote_watermark * cap))
         ncap = srv.nvme_capacity
         if ncap and srv.nvme_bytes > cfg.nvme_high_watermark * ncap:
             self._evict_nvme(srv, int(cfg.nvme_low_watermark * ncap))
 
-    def _demote_or_drop(self, srv: ServerRecord, target_used: int) -> int:
+    def demote_or_drop(self, srv: ServerRecord, target_used: int) -> int:
         """Take DRAM objects in the policy's store-wide order until ``srv``'s
         reclaimable usage is at most ``target_used``: each is demoted on its own
         server if worth it there, else dropped. Returns the bytes that left (or are
         leaving) DRAM."""
         moved = 0
         limit = srv.allocator.capacity
-        for obj, ns in self.policy.candidates(srv):
+        for obj, ns in self.index.policy.candidates(srv):
             if self._worth_demoting(obj, ns):
                 self._demote(obj, ns)
                 moved += obj.length
             else:
-                moved += self._drop(obj, ns)
+                moved += self.index.drop(obj, ns)
                 self.counters["dropped_not_demoted"] += 1
             if srv.reclaimable_used <= target_used or moved >= limit:
                 break
@@ -179,7 +170,7 @@ class Tiers(Leases):
         moved = 0
         limit = srv.allocator.capacity
         skipped: list[tuple[ObjectRecord, NamespaceRecord]] = []
-        for obj, ns in self.policy.candidates(srv):
+        for obj, ns in self.index.policy.candidates(srv):
             if not self._worth_a_disk_write(obj, ns):
                 skipped.append((obj, ns))
                 if len(skipped) >= SKIP_AHEAD:
@@ -193,11 +184,11 @@ class Tiers(Leases):
             if srv.reclaimable_used <= target_used or moved >= limit:
                 break
         for obj, ns in skipped:  # popped from the policy's order: back in it
-            self.policy.unpinned(obj, ns)
+            self.index.policy.unpinned(obj, ns)
         self.counters["demotions_ahead"] += 1 if moved else 0
         return moved
 
-    def _make_room(self, srv: ServerRecord, size: int, budget: Budget) -> int:
+    def make_room(self, srv: ServerRecord, size: int, budget: Budget) -> int:
         """A put's object does not fit on ``srv``. While the put may wait
         (``budget.wait``) and ``srv`` can demote: objects not worth a disk write are
         dropped at once, worth-keeping ones are demoted (not dropped) until the
@@ -207,13 +198,13 @@ class Tiers(Leases):
         reached with too little in flight), the objects are evicted as before.
         Returns the bytes dropped (against ``budget.evict``)."""
         if not (budget.wait and self.cfg.demote and self._tier_open(srv)):
-            return super()._make_room(srv, size, budget)
+            return self._evict_room(srv, size, budget)
         dropped = 0
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
         allocator = srv.allocator
-        for obj, ns in self.policy.candidates(srv):
+        for obj, ns in self.index.policy.candidates(srv):
             if not self._worth_a_disk_write(obj, ns):
-                dropped += self._drop(obj, ns)
+                dropped += self.index.drop(obj, ns)
                 self.counters["dropped_not_demoted"] += 1
                 if allocator.largest_free() >= size or dropped >= budget.evict:
                     break
@@ -223,11 +214,11 @@ class Tiers(Leases):
                 break
             self._demote(obj, ns)
         for obj, ns in held:
-            self.policy.unpinned(obj, ns)
+            self.index.policy.unpinned(obj, ns)
         left = budget.evict - dropped
         if allocator.largest_free() < size and srv.demoting_bytes < size and left > 0:
             # Nothing in flight will make this room: evict as a put always did.
-            dropped += super()._make_room(srv, size, Budget(budget.alloc, left))
+            dropped += self._evict_room(srv, size, Budget(budget.alloc, left))
         return dropped
 
     def _compute_of(self, ns: NamespaceRecord) -> ModelCompute:
@@ -278,7 +269,7 @@ class Tiers(Leases):
         cfg = self.cfg
         if obj.group != ns.full_group or obj.entry.children == 0:
             # Not a block whose cached descendants need it: judge it by value.
-            if isinstance(self.policy, CostPolicy) and obj.score <= ZERO / 2:
+            if isinstance(self.index.policy, CostPolicy) and obj.score <= ZERO / 2:
                 return False  # it serves no match as things stand
             gbps = srv.nvme_read_gbps or DEFAULT_NVME_READ_GBPS
             read_s = obj.length / (gbps * 1e9)
@@ -299,9 +290,9 @@ class Tiers(Leases):
             obj.hits = LEAVING_DRAM
             parent.hot -= 1
             if parent.hot == 0:
-                self._leaf_now(parent, ns)
+                self.index.leaf_now(parent, ns)
         srv.demoting[obj.offset] = (obj, ns)
-        srv.demoting_bytes += _held(srv, obj.length)
+        srv.demoting_bytes += held(srv, obj.length)
         srv.nvme_bytes += obj.length  # reserved until the report
         srv.demote_out.append((obj, ns))
         self.counters["demotions_issued"] += 1
@@ -310,8 +301,8 @@ class Tiers(Leases):
         """Evict NVMe objects in the NVMe policy's order until ``srv``'s tier holds
         at most ``target`` bytes; evicting from NVMe deletes (``drop_nvme``)."""
         evicted = 0
-        for obj, ns in self.nvme_policy.candidates(srv):
-            evicted += self._drop(obj, ns)
+        for obj, ns in self.index.nvme_policy.candidates(srv):
+            evicted += self.index.drop(obj, ns)
             if srv.nvme_bytes <= target:
                 break
         return evicted
@@ -330,7 +321,7 @@ class Tiers(Leases):
             return None
         obj, ns = got
         length = obj.length
-        srv.demoting_bytes -= _held(srv, length)
+        srv.demoting_bytes -= held(srv, length)
         srv.nvme_bytes -= length  # the reservation; the NVMe record counts from here
         obj.pins -= 1
         if not done.ok and obj.state == LIVE and obj.hits == LEAVING_DRAM:
@@ -348,113 +339,19 @@ class Tiers(Leases):
                 srv.demote_paused_until = now + DEMOTE_PAUSE_S
             if obj.pins == 0:
                 if obj.state == EVICTED:
-                    self._release_evicted(obj)
+                    self.index.release_evicted(obj)
                 elif obj.state == LIVE:
-                    self.policy.unpinned(obj, ns)
+                    self.index.policy.unpinned(obj, ns)
             return None if done.ok else (done.error or "unknown error")
         # Switch the index to the NVMe copy, then let the DRAM range go.
-        self._move_tier(ns, obj, done.nvme_offset, 1)
+        self.index.move_tier(ns, obj, done.nvme_offset, 1)
         if obj.pins:
             srv.deferred_bytes += length  # freed when its last read lease ends
         else:
-            self._free_object(obj)
+            self.index.free_object(obj)
         c["demotions_done"] += 1
         c["demoted_bytes"] += length
         return None
-
-    # ---- promotion: NVMe -> DRAM on repeated hits (meta.promotion = "hits:N") ----------
-
-    def pick(
-        self, ns: NamespaceRecord, chain: list[BlockEntry], p: int, now: float
-    ) -> list[ObjectRecord]:
-        """:meth:`Leases.pick`, counting the hits of NVMe objects for promotion."""
-        picked = super().pick(ns, chain, p, now)
-        need = self.cfg.promotion_hits
-        if need > 0:
-            for obj in picked:
-                if obj.tier and obj.hits != PROMOTING:
-                    obj.hits += 1
-                    if obj.hits >= need:
-                        self._promote(obj, ns)
-        return picked
-
-    def _promote(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
-        """Allocate a DRAM range on ``obj``'s server and ask the server to copy the
-        NVMe object there (a write by the server itself, no client grant). The
-        server's DRAM stays below its high watermark: room is made as for a put (the
-        coldest DRAM objects demote or go, never pinned ones), else the promotion
-        waits for the next hit. The object stays on NVMe, readable and pinned, until
-        the server reports the copy."""
-        srv = obj.server
-        cfg = self.cfg
-        c = self.counters
-        if (
-            obj.state != LIVE
-            or not srv.alive
-            or not srv.ready
-            or len(srv.promoting) >= MAX_PROMOTIONS_IN_FLIGHT
-        ):
-            return False
-        length = obj.length
-        need = _held(srv, length)
-        # Promotions in flight count against the watermark (they will land in DRAM).
-        high = int(cfg.high_watermark * srv.allocator.capacity) - srv.promoting_bytes
-        if srv.reclaimable_used + need > high:
-            # Make room as a put does: the coldest DRAM objects (in the policy's
-            # order, never pinned ones) demote or go; the hit object is the hottest.
-            if cfg.demote:
-                self._demote_or_drop(srv, high - need)
-            else:
-                self._evict(srv, target_used=high - need, max_bytes=4 * need)
-            if srv.reclaimable_used + need > high:
-                c["promotions_no_room"] += 1
-                return False
-        off = srv.allocator.alloc(length)
-        if off is None:
-            c["promotions_no_room"] += 1
-            return False
-        obj.pins += 1
-        obj.hits = PROMOTING
-        srv.promoting[off] = (obj, ns)
-        srv.promoting_bytes += _held(srv, length)
-        srv.promote_out.append((obj, ns, off))
-        c["promotions_issued"] += 1
-        return True
-
-    def promoted(self, srv: ServerRecord, done: Promotion) -> None:
-        """A server finished (or failed) a promotion: switch the index to the DRAM
-        copy and delete the NVMe one (once its last read lease ends), or give the
-        DRAM range back."""
-        c = self.counters
-        got = srv.promoting.pop(done.dram_offset, None)
-        if got is None or got[0].length != done.length or got[0].offset != done.nvme_offset:
-            c["promotions_unknown"] += 1
-            if got is not None:
-                srv.promoting[done.dram_offset] = got
-            return
-        obj, ns = got
-        length = obj.length
-        srv.promoting_bytes -= _held(srv, length)
-        obj.pins -= 1
-        obj.hits = 0
-        if not done.ok or obj.state != LIVE:
-            # Failed, or evicted meanwhile: the DRAM range goes back (the server
-            # drops whatever record it made there).
-            self._free_range(srv, done.dram_offset, length)
-            c["promotions_failed" if not done.ok else "promotions_void"] += 1
-            if obj.pins == 0:
-                if obj.state == EVICTED:
-                    self._release_evicted(obj)
-                elif obj.state == LIVE:
-                    self.nvme_policy.unpinned(obj, ns)
-            return
-        self._move_tier(ns, obj, done.dram_offset, 0)
-        if obj.pins:
-            obj.state = EVICTED  # its NVMe copy is deleted when the last lease ends
-        else:
-            self._free_object(obj)  # drop_nvme in the next reply
-        c["promotions_done"] += 1
-        c["promoted_bytes"] += length
 
     def nvme_lost(self, srv: ServerRecord, ranges: list[tuple[int, int]]) -> int:
         """The server dropped these NVMe objects by itself (a region evicted whole):
@@ -467,9 +364,9 @@ class Tiers(Leases):
             if got is None or got[0].length != length or got[0].state != LIVE:
                 continue
             obj, ns = got
-            self._unlink(ns, obj.entry, obj.group)
+            self.index.unlink(ns, obj.entry, obj.group)
             obj.state = GONE  # nothing to free: the server has deleted it
-            self._pol(obj).evicted(obj, ns)
+            self.index.pol(obj).evicted(obj, ns)
             hit.append((ns, obj))
             n += 1
         for ns, obj in hit:  # ...then what a lost full object leaves useless
@@ -477,98 +374,8 @@ class Tiers(Leases):
             if obj.group == ns.full_group:
                 for g, o in enumerate(entry.objects):
                     if o is not None:
-                        self._evict_object(ns, entry, g)
+                        self.index.evict_object(ns, entry, g)
             if entry.children == 0 and not any(entry.objects):
-                self._prune(ns, entry)
+                self.index.prune(ns, entry)
         self.counters["nvme_lost"] += n
         return n
-
-    def _move_tier(self, ns: NamespaceRecord, obj: ObjectRecord, offset: int, tier: int) -> None:
-        """Switch the index from ``obj`` to its copy at ``offset`` in ``tier`` on the
-        same server (a finished demotion or promotion); the caller frees ``obj``."""
-        entry = obj.entry
-        self._unlink(ns, entry, obj.group, why="")  # moved, not removed (issue 13)
-        new = ObjectRecord(
-            entry, obj.group, obj.server, offset, obj.length, obj.sums, obj.last_access,
-            obj.owner, tier=tier,
-        )  # fmt: skip
-        new.score = obj.score
-        self._link_object(ns, entry, new)
-        self._count_in(ns, new)
-        (self.nvme_policy if tier else self.policy).admit(new, ns)
-
-    def _count_in(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
-        """Count a newly linked object in the store-wide totals."""
-        self.live_objects += 1
-        self.live_bytes += obj.length
-        self.group_bytes[ns.layout.group_names[obj.group]] += obj.length
-        if obj.owner:
-            self.tenant_bytes[obj.owner] += obj.length
-
-    # ---- heartbeats ------------------------------------------------------------------
-
-    def tier_heartbeat(
-        self,
-        server_id: str,
-        incarnation: int,
-        counters: dict[str, int],
-        now: float,
-        demoted: list[Demotion] | None = None,
-        nvme_used: int = 0,
-        nvme_lost: list[tuple[int, int]] | None = None,
-        promoted: list[Promotion] | None = None,
-    ) -> HeartbeatOut:
-        """A server's heartbeat: apply its finished demotions, then answer with
-        what it must do (bounded per reply; the rest waits for the next one)."""
-        self.now_s = max(self.now_s, now)
-        srv = self.servers.get(server_id)
-        if srv is None or not srv.alive or srv.incarnation != incarnation:
-            return HeartbeatOut(reregister=True)
-        srv.last_seen = now
-        srv.counters = counters
-        srv.nvme_used_reported = nvme_used
-        out = HeartbeatOut()
-        if nvme_lost:
-            self.nvme_lost(srv, nvme_lost)
-        for d in demoted or ():
-            err = self.demoted(srv, d, now)
-            if err is not None:
-                out.failed.append(err)
-        if demoted:
-            self.room_gen += 1  # puts waiting for room try again (meta/hotpath.py)
-            if self.on_room is not None:
-                self.on_room()
-        for pr in promoted or ():
-            self.promoted(srv, pr)
-        # The watermark first, so this reply carries the demotions it queues (the
-        # server's disk gets its next batch now, not a heartbeat later); the
-        # per-reply bounds below cut only what this reply cannot hold.
-        self._check_watermark(srv)
-        # Order matters to the server: free, then adopt, then demote.
-        out.free, srv.freed = srv.freed, []
-        paused = len(srv.adopt_out) >= self.cfg.adopt_outbox
-        out.adopt = [
-            (o, ns)
-            for o, ns in _take(srv.adopt_out, MAX_ADOPT_PER_REPLY)
-            if o.state == LIVE and o.tier == 0
-        ]
-        if paused and len(srv.adopt_out) < self.cfg.adopt_outbox:
-            self._live = None  # drained below the bound: placement resumes
-        out.demote = _take(srv.demote_out, MAX_DEMOTE_PER_REPLY)
-        out.drop_nvme = _take(srv.drop_out, MAX_DROP_PER_REPLY)
-        out.promote = _take(srv.promote_out, MAX_PROMOTE_PER_REPLY)
-        # Cut by a per-reply bound: the server asks again at once, so an outbox
-        # drains at round-trip speed.
-        out.more = bool(srv.adopt_out or srv.demote_out or srv.drop_out or srv.promote_out)
-        return out
-
-    def tier_stats(self) -> dict[str, float]:
-        live = [s for s in self.servers.values() if s.alive]
-        return {
-            "epoch": self.epoch,
-            "nvme_capacity": sum(s.nvme_capacity for s in live),
-            "nvme_used": sum(s.nvme_bytes for s in live),
-            "demotions_in_flight": sum(len(s.demoting) for s in live),
-            "promotions_in_flight": sum(len(s.promoting) for s in live),
-            "servers_reporting": sum(1 for s in live if not s.ready),
-        }

@@ -126,7 +126,7 @@ class SegmentAllocator:
         offset, aligned, not overlapping (the caller checked), sizes rounded up to
         ``align``; the gaps between them are its free blocks. One pass, no
         allocation per range (a restarted meta rebuilding a server's allocator from
-        its report, issue 10)."""
+        its report)."""
         self = cls(0, align)
         self._capacity = capacity & ~(align - 1)
         self._bins = [{} for _ in range(_bin_of(self._capacity >> self._shift) + 1)]

@@ -1,4 +1,4 @@
-"""A chunk of a server's records in columns (proto ``StoredColumns``, issue 10).
+"""A chunk of a server's records in columns (proto ``StoredColumns``).
 
 A restarted meta rebuilds its index from the servers' reports (``ReportObjects``):
 a million records as a million ``StoredObject`` messages cost the meta about a

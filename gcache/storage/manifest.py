@@ -1,3 +1,4 @@
+# One file (over 450 lines): the frame format, its writer and its replay share one layout.
 """The server's DRAM manifest: the owner's record of every object written and
 committed in its segment, so a restarted server (clean or ``kill -9``) re-adopts the
 segment file it left in the tmpfs and reports what it holds, and a restarted meta
@@ -82,7 +83,7 @@ class StoredRecord(msgspec.Struct, array_like=True):
     sums: bytes
     seq: int
     digest: int = 0  # unused (logs of older servers carried xxh3_64 of the bytes)
-    # Byte length of each layer when the group's layers differ in size (issue 10);
+    # Byte length of each layer when the group's layers differ in size;
     # () when they are equal (logs of older servers never carry it).
     layer_bytes: tuple[int, ...] = ()
 

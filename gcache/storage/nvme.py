@@ -1,3 +1,4 @@
+# One file (over 450 lines): the log format, its regions and its recovery share one layout.
 """The NVMe tier of ``gcache-server``: a log-structured store in a few large
 preallocated files (``--nvme-path DIR --nvme-size SIZE``).
 
@@ -57,7 +58,7 @@ _REGION: Final = struct.Struct("<4sHQIQ")
 _RECORD: Final = struct.Struct("<4sBBHQQ16s16s16sBIIQQ")
 _CRC: Final = struct.Struct("<I")
 MAX_SUMS: Final = (BLOCK - _RECORD.size - _CRC.size) // 8
-# Version 2 of a record header (issue 10): the object's layers differ in size, their
+# Version 2 of a record header: the object's layers differ in size, their
 # byte lengths (u32 each, one per checksum) follow the checksums. Equal layers are
 # still written as version 1, and version 1 records stay readable.
 _RECORD_V2: Final = 2

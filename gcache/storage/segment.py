@@ -9,7 +9,7 @@ pre-faulted (``MAP_POPULATE``) so the first writes do not pay page faults. Which
 ranges hold objects is the meta's business (it runs the allocator); the segment only
 bounds-checks and hands out views.
 
-The file outlives its process (issue 10): a server stopped or killed leaves it in
+The file outlives its process: a server stopped or killed leaves it in
 the tmpfs with its manifest (:mod:`gcache.storage.manifest`), and the next start of
 the same server id (for the same meta) re-adopts it (:meth:`Segment.adoptable`):
 the file is renamed to the new process's name and mapped again, and the manifest's

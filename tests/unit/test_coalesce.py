@@ -16,7 +16,7 @@ import pytest
 from gcache import wire
 from gcache.errors import InvalidBody
 from gcache.meta.hotpath import key_count_check
-from gcache.meta.puts import IdSource
+from gcache.meta.ids import IdSource
 from gcache.transport.framing import FrameParser
 from gcache.transport.stream import FrameStream
 

@@ -10,8 +10,8 @@ from gcache import capability, keys, wire
 from gcache.config import MetaConfig
 from gcache.layout import preset
 from gcache.meta.core import MetaCore
+from gcache.meta.index import LEAVING_DRAM
 from gcache.meta.rebuild import Parked
-from gcache.meta.reclaim import LEAVING_DRAM
 from gcache.meta.records import LIVE, NamespaceRecord, ObjectRecord
 from gcache.meta.tiers import Demotion, HeartbeatOut
 from tests.unit.test_meta_core import spec

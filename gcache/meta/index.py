@@ -1,13 +1,14 @@
 """Index bookkeeping shared by the meta's put, lookup and eviction paths: dropping
 objects and entries with incremental counters, returning ranges to allocators, and
-the prefix search. :class:`~gcache.meta.core.MetaCore` builds on it; nothing here
-does I/O or reads the clock."""
+the prefix search. Every other component of the meta works
+through it; nothing here does I/O or reads the clock."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import Counter
+from collections.abc import Callable
 
 from gcache.config import MetaConfig
 from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, Refusal
@@ -28,6 +29,12 @@ from gcache.meta.session import Principal
 # ObjectRecord.hits of a DRAM full object being demoted: its parent no longer counts
 # it as a DRAM child (``BlockEntry.hot``), so a whole prompt demotes in one pass.
 LEAVING_DRAM = -2
+
+
+def _nothing() -> None:
+    pass
+
+
 # Freed ranges reported to a server per heartbeat reply, at most (the server only
 # counts them; a longer backlog is dropped rather than grown without bound).
 MAX_FREED_REPORT = 1 << 16
@@ -50,32 +57,44 @@ def present_prefix(entries: dict[bytes, BlockEntry], key_list: list[bytes]) -> i
     return lo
 
 
-class IndexStore:
-    """The counters and the eviction mechanics of the index (which object goes is
-    the policy's decision; this is how it goes), and the quarantine of ranges freed
-    from pending puts."""
+class Index:
+    """The prefix index of every namespace and its store-wide totals: linking and
+    unlinking objects with incremental counters, the eviction mechanics (which
+    object goes is the policy's decision; this is how it goes), returning ranges to
+    allocators, and the quarantine of ranges freed from pending puts."""
 
-    cfg: MetaConfig
-    policy: EvictionPolicy  # orders DRAM (tier 0) objects
-    nvme_policy: EvictionPolicy  # orders NVMe (tier 1) objects
-    removals: RemovalFeed  # removed blocks, for WatchRemovals subscribers (issue 13)
-    namespaces: dict[bytes, NamespaceRecord]
-    counters: Counter[str]
-    group_bytes: Counter[str]
-    tenant_bytes: Counter[str]  # committed bytes per tenant (principal name)
-    entries: int
-    live_objects: int
-    live_bytes: int
-    # (release at, seq, server, offset, length): ranges of pending puts whose write
-    # grants may still be presented; they return to the allocator only after.
-    quarantine: list[tuple[float, int, ServerRecord, int, int]]
-    _qseq: itertools.count[int]
-    _live: list[ServerRecord] | None  # servers placement may use (Placement)
+    def __init__(
+        self,
+        cfg: MetaConfig,
+        counters: Counter[str],
+        policy: EvictionPolicy,
+        nvme_policy: EvictionPolicy,
+        removals: RemovalFeed,
+    ) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.policy = policy  # orders DRAM (tier 0) objects
+        self.nvme_policy = nvme_policy  # orders NVMe (tier 1) objects
+        self.removals = removals  # removed blocks, for WatchRemovals subscribers
+        self.namespaces: dict[bytes, NamespaceRecord] = {}
+        self.ns_by_id: dict[int, NamespaceRecord] = {}
+        self.group_bytes: Counter[str] = Counter()
+        self.tenant_bytes: Counter[str] = Counter()  # committed bytes per tenant
+        self.entries = 0
+        self.live_objects = 0
+        self.live_bytes = 0
+        # (release at, seq, server, offset, length): ranges of pending puts whose
+        # write grants may still be presented; they return to the allocator only after.
+        self.quarantine: list[tuple[float, int, ServerRecord, int, int]] = []
+        self._qseq = itertools.count()
+        # Called when a server's manifest outbox reaches its bound (placement pauses
+        # there): the wiring points it at Membership.invalidate.
+        self.outbox_full: Callable[[], None] = _nothing
 
-    def _pol(self, obj: ObjectRecord) -> EvictionPolicy:
+    def pol(self, obj: ObjectRecord) -> EvictionPolicy:
         return self.nvme_policy if obj.tier else self.policy
 
-    def _leaf_now(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
+    def leaf_now(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         """``entry`` may have become a leaf of its full object's tier: tell that
         tier's policy."""
         fg = ns.full_group
@@ -83,9 +102,9 @@ class IndexStore:
             return
         full = entry.objects[fg]
         if full is not None:
-            self._pol(full).became_leaf(entry, ns)
+            self.pol(full).became_leaf(entry, ns)
 
-    def _link_object(self, ns: NamespaceRecord, entry: BlockEntry, obj: ObjectRecord) -> None:
+    def link_object(self, ns: NamespaceRecord, entry: BlockEntry, obj: ObjectRecord) -> None:
         """Put ``obj`` (not yet counted) into ``entry`` and the per-server books."""
         g = obj.group
         entry.objects[g] = obj
@@ -100,10 +119,10 @@ class IndexStore:
             srv.nvme_bytes += obj.length
             srv.nvme_objects[obj.offset] = (obj, ns)
 
-    def _record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
+    def record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
         """Queue a committed DRAM object for its server's manifest (the next
         heartbeat reply's ``adopt``). Lossless and bounded: once ``adopt_outbox``
-        commits wait, the server takes no new placements (``Placement._live_servers``)
+        commits wait, the server takes no new placements (``Membership.live_servers``)
         until a heartbeat drains it; only puts placed before that may still add to
         it (at most the pending puts' objects on that server), counted as
         ``adopt_overflow``."""
@@ -113,7 +132,7 @@ class IndexStore:
         n = len(out)
         bound = self.cfg.adopt_outbox
         if n == bound:
-            self._live = None  # placement pauses on this server
+            self.outbox_full()  # placement pauses on this server
             self.counters["adopt_paused"] += 1
         elif n > bound:
             srv.adopt_overflow += 1
@@ -121,7 +140,7 @@ class IndexStore:
 
     # ---- requests: namespace, keys, access -------------------------------------------
 
-    def _namespace(self, fp: bytes, who: Principal | None = None) -> NamespaceRecord:
+    def namespace(self, fp: bytes, who: Principal | None = None) -> NamespaceRecord:
         ns = self.namespaces.get(fp)
         if ns is None:
             raise Refusal(E_UNKNOWN_NAMESPACE, "unknown namespace (register it first)")
@@ -129,7 +148,7 @@ class IndexStore:
             raise Refusal(E_ACCESS_DENIED, f"tenant {who.name!r} may not use this namespace")
         return ns
 
-    def _check_keys(self, key_list: list[bytes]) -> None:
+    def check_keys(self, key_list: list[bytes]) -> None:
         n = len(key_list)
         if n > self.cfg.max_keys_per_request:
             raise Refusal(E_BAD_REQUEST, f"{n} keys exceed {self.cfg.max_keys_per_request}")
@@ -141,12 +160,7 @@ class IndexStore:
 
     # ---- eviction ----------------------------------------------------------------------
 
-    def _check_watermark(self, srv: ServerRecord) -> None:
-        cap = srv.allocator.capacity
-        if srv.reclaimable_used > self.cfg.high_watermark * cap:
-            self._evict(srv, target_used=int(self.cfg.low_watermark * cap), max_bytes=cap)
-
-    def _evict(
+    def evict(
         self,
         srv: ServerRecord,
         target_used: int = -1,
@@ -161,7 +175,7 @@ class IndexStore:
         evicted."""
         evicted = 0
         allocator = srv.allocator
-        drop = self._drop
+        drop = self.drop
         for obj, ns in self.policy.candidates(srv):
             evicted += drop(obj, ns)
             if need_contiguous and allocator.largest_free() >= need_contiguous:
@@ -172,7 +186,7 @@ class IndexStore:
                 break
         return evicted
 
-    def _drop(self, obj: ObjectRecord, ns: NamespaceRecord) -> int:
+    def drop(self, obj: ObjectRecord, ns: NamespaceRecord) -> int:
         """Evict a policy's candidate; returns the bytes that left the index."""
         entry = obj.entry
         evicted = 0
@@ -181,12 +195,12 @@ class IndexStore:
             for g, o in enumerate(entry.objects):
                 if o is not None:
                     evicted += o.length
-                    self._evict_object(ns, entry, g)
+                    self.evict_object(ns, entry, g)
         else:
             evicted += obj.length
-            self._evict_object(ns, entry, obj.group)
+            self.evict_object(ns, entry, obj.group)
         if entry.children == 0 and not any(entry.objects):
-            self._prune(ns, entry)
+            self.prune(ns, entry)
         return evicted
 
     def evict_keys(
@@ -196,8 +210,8 @@ class IndexStore:
         access to the namespace; None: the operator). A full object goes only from a
         leaf (with its whole block); windowed objects may go from any block. Returns
         (evicted, refused)."""
-        ns = self._namespace(fp, who)
-        self._check_keys(key_list)
+        ns = self.namespace(fp, who)
+        self.check_keys(key_list)
         evicted = refused = 0
         for key in key_list:
             entry = ns.entries.get(key)
@@ -212,17 +226,17 @@ class IndexStore:
                         continue
                     for g2 in range(len(entry.objects)):
                         if entry.objects[g2] is not None:
-                            self._evict_object(ns, entry, g2)
+                            self.evict_object(ns, entry, g2)
                             evicted += 1
                     break
-                self._evict_object(ns, entry, g)
+                self.evict_object(ns, entry, g)
                 evicted += 1
             if key in ns.entries:
-                self._prune(ns, entry)
+                self.prune(ns, entry)
         return evicted, refused
 
-    def _evict_object(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> None:
-        obj = self._unlink(ns, entry, g)
+    def evict_object(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> None:
+        obj = self.unlink(ns, entry, g)
         size = obj.length
         srv = obj.server
         counters = self.counters
@@ -230,16 +244,16 @@ class IndexStore:
         counters["evicted_bytes"] += size
         if obj.tier:
             counters["nvme_evictions"] += 1
-        self._pol(obj).evicted(obj, ns)
+        self.pol(obj).evicted(obj, ns)
         if obj.pins > 0:
             if obj.tier == 0:
                 srv.deferred_bytes += size
         else:
             # A committed object's write grant was consumed (its receipt proves it):
             # its range may be re-used at once.
-            self._free_object(obj)
+            self.free_object(obj)
 
-    def _unlink(
+    def unlink(
         self, ns: NamespaceRecord, entry: BlockEntry, g: int, why: str = REMOVED_EVICTED
     ) -> ObjectRecord:
         """Take object ``g`` of ``entry`` out of the index and its counters. ``why``:
@@ -257,7 +271,7 @@ class IndexStore:
             if obj.tier == 0 and parent is not None and obj.hits != LEAVING_DRAM:
                 parent.hot -= 1
                 if parent.hot == 0:
-                    self._leaf_now(parent, ns)
+                    self.leaf_now(parent, ns)
         if obj.tier:
             srv.nvme_bytes -= obj.length
             got = srv.nvme_objects.get(obj.offset)
@@ -278,7 +292,7 @@ class IndexStore:
         obj.state = EVICTED
         return obj
 
-    def _prune(self, ns: NamespaceRecord, entry: BlockEntry | None) -> None:
+    def prune(self, ns: NamespaceRecord, entry: BlockEntry | None) -> None:
         """Drop empty childless entries, walking up; tell the policy about new leaves."""
         entries = ns.entries
         while entry is not None and entry.children == 0 and not any(entry.objects):
@@ -293,28 +307,28 @@ class IndexStore:
                 return
             parent.children -= 1
             if parent.children == 0:
-                self._leaf_now(parent, ns)
+                self.leaf_now(parent, ns)
             entry = parent
 
     # ---- returning memory ----------------------------------------------------------------
 
-    def _free_object(self, obj: ObjectRecord) -> None:
+    def free_object(self, obj: ObjectRecord) -> None:
         """Return an object's memory: a DRAM range to its allocator (and the server
         drops its record), an NVMe object to its server for deletion."""
         obj.state = GONE
         srv = obj.server
         if obj.tier == 0:
-            self._free_range(srv, obj.offset, obj.length)
+            self.free_range(srv, obj.offset, obj.length)
         elif srv.alive and len(srv.drop_out) < MAX_FREED_REPORT:
             srv.drop_out.append((obj.offset, obj.length))
 
-    def _release_evicted(self, obj: ObjectRecord) -> None:
+    def release_evicted(self, obj: ObjectRecord) -> None:
         """The last pin of an evicted object ended: free it now."""
         if obj.tier == 0:
             obj.server.deferred_bytes -= obj.length
-        self._free_object(obj)
+        self.free_object(obj)
 
-    def _free_range(self, srv: ServerRecord, offset: int, length: int) -> None:
+    def free_range(self, srv: ServerRecord, offset: int, length: int) -> None:
         if not srv.alive:
             return
         reported = srv.reported
@@ -326,7 +340,7 @@ class IndexStore:
         if len(srv.freed) < MAX_FREED_REPORT:
             srv.freed.append((offset, length))
 
-    def _quarantine(self, srv: ServerRecord, offset: int, length: int, until: float) -> None:
+    def quarantine_range(self, srv: ServerRecord, offset: int, length: int, until: float) -> None:
         """Hold a range freed from a pending put (abort, reclaim, session end, or left
         unwritten at commit) until ``until``, when every write grant to it has
         expired (grants end ``GRANT_MARGIN_S`` before it): a stale grant can then
@@ -336,17 +350,17 @@ class IndexStore:
         srv.quarantined_bytes += length
         heapq.heappush(self.quarantine, (until, next(self._qseq), srv, offset, length))
 
-    def _release_quarantine(self, now: float) -> None:
+    def release_quarantine(self, now: float) -> None:
         q = self.quarantine
         while q and q[0][0] <= now:
             _, _, srv, offset, length = heapq.heappop(q)
             if srv.alive:
                 srv.quarantined_bytes -= length
-                self._free_range(srv, offset, length)
+                self.free_range(srv, offset, length)
 
     # ---- index entries -----------------------------------------------------------------
 
-    def _ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
+    def ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
         entries = ns.entries
         entry = entries.get(key_list[block])
         if entry is not None:
@@ -378,3 +392,40 @@ class IndexStore:
             parent = entry
         assert entry is not None
         return entry
+
+    def count_in(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
+        """Count a newly linked object in the store-wide totals."""
+        self.live_objects += 1
+        self.live_bytes += obj.length
+        self.group_bytes[ns.layout.group_names[obj.group]] += obj.length
+        if obj.owner:
+            self.tenant_bytes[obj.owner] += obj.length
+
+    def count_adopted(self, created: int, objects: int, nbytes: int) -> None:
+        """Count entries and objects adopted in bulk (reported objects have no
+        tenant; their group bytes go through :meth:`add_group_bytes`)."""
+        self.entries += created
+        self.live_objects += objects
+        self.live_bytes += nbytes
+
+    def add_group_bytes(self, ns: NamespaceRecord, gbytes: list[int]) -> None:
+        """Count ``gbytes`` (bytes per group of ``ns``) and zero them."""
+        names = ns.layout.group_names
+        for g, n in enumerate(gbytes):
+            if n:
+                self.group_bytes[names[g]] += n
+                gbytes[g] = 0
+
+    def move_tier(self, ns: NamespaceRecord, obj: ObjectRecord, offset: int, tier: int) -> None:
+        """Switch the index from ``obj`` to its copy at ``offset`` in ``tier`` on the
+        same server (a finished demotion or promotion); the caller frees ``obj``."""
+        entry = obj.entry
+        self.unlink(ns, entry, obj.group, why="")  # moved, not removed
+        new = ObjectRecord(
+            entry, obj.group, obj.server, offset, obj.length, obj.sums, obj.last_access,
+            obj.owner, tier=tier,
+        )  # fmt: skip
+        new.score = obj.score
+        self.link_object(ns, entry, new)
+        self.count_in(ns, new)
+        (self.nvme_policy if tier else self.policy).admit(new, ns)

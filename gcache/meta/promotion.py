@@ -1,0 +1,118 @@
+"""Promotion: an NVMe object read ``promotion_hits`` times is copied back into its
+server's DRAM (``meta.promotion = "hits:N"``). The object stays on NVMe, readable
+and pinned, until the server reports the copy; then the index switches to the DRAM
+copy. No I/O."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from gcache.config import MetaConfig
+from gcache.meta.index import Index
+from gcache.meta.records import EVICTED, LIVE, NamespaceRecord, ObjectRecord, ServerRecord
+from gcache.meta.tiers import MAX_PROMOTIONS_IN_FLIGHT, PROMOTING, Promotion, held
+
+
+class Promoter:
+    def __init__(
+        self,
+        cfg: MetaConfig,
+        counters: Counter[str],
+        index: Index,
+        demote_or_drop: Callable[[ServerRecord, int], int],
+    ) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.index = index
+        # Makes DRAM room as a put's watermark does (``Tiers.demote_or_drop``).
+        self.demote_or_drop = demote_or_drop
+
+    def on_pick(self, ns: NamespaceRecord, picked: list[ObjectRecord]) -> None:
+        """A lookup read ``picked``: count the hits of NVMe objects for promotion
+        (``Leases``' pick hook)."""
+        need = self.cfg.promotion_hits
+        if need > 0:
+            for obj in picked:
+                if obj.tier and obj.hits != PROMOTING:
+                    obj.hits += 1
+                    if obj.hits >= need:
+                        self._promote(obj, ns)
+
+    def _promote(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        """Allocate a DRAM range on ``obj``'s server and ask the server to copy the
+        NVMe object there (a write by the server itself, no client grant). The
+        server's DRAM stays below its high watermark: room is made as for a put (the
+        coldest DRAM objects demote or go, never pinned ones), else the promotion
+        waits for the next hit. The object stays on NVMe, readable and pinned, until
+        the server reports the copy."""
+        srv = obj.server
+        cfg = self.cfg
+        c = self.counters
+        if (
+            obj.state != LIVE
+            or not srv.alive
+            or not srv.ready
+            or len(srv.promoting) >= MAX_PROMOTIONS_IN_FLIGHT
+        ):
+            return False
+        length = obj.length
+        need = held(srv, length)
+        # Promotions in flight count against the watermark (they will land in DRAM).
+        high = int(cfg.high_watermark * srv.allocator.capacity) - srv.promoting_bytes
+        if srv.reclaimable_used + need > high:
+            # Make room as a put does: the coldest DRAM objects (in the policy's
+            # order, never pinned ones) demote or go; the hit object is the hottest.
+            if cfg.demote:
+                self.demote_or_drop(srv, high - need)
+            else:
+                self.index.evict(srv, target_used=high - need, max_bytes=4 * need)
+            if srv.reclaimable_used + need > high:
+                c["promotions_no_room"] += 1
+                return False
+        off = srv.allocator.alloc(length)
+        if off is None:
+            c["promotions_no_room"] += 1
+            return False
+        obj.pins += 1
+        obj.hits = PROMOTING
+        srv.promoting[off] = (obj, ns)
+        srv.promoting_bytes += held(srv, length)
+        srv.promote_out.append((obj, ns, off))
+        c["promotions_issued"] += 1
+        return True
+
+    def promoted(self, srv: ServerRecord, done: Promotion) -> None:
+        """A server finished (or failed) a promotion: switch the index to the DRAM
+        copy and delete the NVMe one (once its last read lease ends), or give the
+        DRAM range back."""
+        c = self.counters
+        got = srv.promoting.pop(done.dram_offset, None)
+        if got is None or got[0].length != done.length or got[0].offset != done.nvme_offset:
+            c["promotions_unknown"] += 1
+            if got is not None:
+                srv.promoting[done.dram_offset] = got
+            return
+        obj, ns = got
+        length = obj.length
+        srv.promoting_bytes -= held(srv, length)
+        obj.pins -= 1
+        obj.hits = 0
+        if not done.ok or obj.state != LIVE:
+            # Failed, or evicted meanwhile: the DRAM range goes back (the server
+            # drops whatever record it made there).
+            self.index.free_range(srv, done.dram_offset, length)
+            c["promotions_failed" if not done.ok else "promotions_void"] += 1
+            if obj.pins == 0:
+                if obj.state == EVICTED:
+                    self.index.release_evicted(obj)
+                elif obj.state == LIVE:
+                    self.index.nvme_policy.unpinned(obj, ns)
+            return
+        self.index.move_tier(ns, obj, done.dram_offset, 0)
+        if obj.pins:
+            obj.state = EVICTED  # its NVMe copy is deleted when the last lease ends
+        else:
+            self.index.free_object(obj)  # drop_nvme in the next reply
+        c["promotions_done"] += 1
+        c["promoted_bytes"] += length
