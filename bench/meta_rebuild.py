@@ -54,7 +54,7 @@ from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.cli.deploy import LocalDeployment
 from gcache.layout import Layout, preset
 from gcache.storage import columns
-from gcache.storage.manifest import StoredRecord
+from gcache.storage.record import StoredRecord
 
 CHUNK = 2048  # records per ReportObjects message (gcache/server/tiers.py REPORT_CHUNK)
 ALIGN = 4096

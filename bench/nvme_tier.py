@@ -31,8 +31,8 @@ from array import array
 
 from gcache.config import parse_size
 from gcache.server.tiered import ReadBuffers, TieredReadReply
-from gcache.storage.manifest import StoredRecord
 from gcache.storage.nvme import NvmeTier
+from gcache.storage.record import StoredRecord
 
 MiB = 1 << 20
 

@@ -163,10 +163,9 @@ class Layout:
     def groups_to_store(self, nblocks: int) -> list[int]:
         """Strict O(W): bitmask of groups to store for each block of a P-block prefix."""
         masks = [0] * nblocks
-        for g, tail in enumerate(self.group_tail_blocks):
-            start = 0 if tail is None else max(0, nblocks - tail)
+        for g in range(self.num_groups):
             bit = 1 << g
-            for i in range(start, nblocks):
+            for i in self.window_blocks(g, nblocks):
                 masks[i] |= bit
         return masks
 
@@ -220,19 +219,20 @@ class Layout:
         """``masks`` (from :meth:`groups_to_store`) plus the windowed objects of a
         match ending at each of ``positions``."""
         out = list(masks)
+        n = len(out)
+        windowed = [g for g, t in enumerate(self.group_tail_blocks) if t is not None]
         for c in positions:
-            for g, tail in enumerate(self.group_tail_blocks):
-                if tail is not None:
-                    for j in range(max(0, c - tail), min(c, len(out))):
+            for g in windowed:
+                for j in self.window_blocks(g, c):
+                    if j < n:
                         out[j] |= 1 << g
         return out
 
     def stored_bytes(self, nblocks: int) -> int:
         """Bytes strict O(W) stores for a prompt of ``nblocks`` full blocks."""
         total = 0
-        for g, tail in enumerate(self.group_tail_blocks):
-            count = nblocks if tail is None else min(tail, nblocks)
-            total += count * self.group_object_bytes[g]
+        for g in range(self.num_groups):
+            total += len(self.window_blocks(g, nblocks)) * self.group_object_bytes[g]
         return total
 
     def layer_range(self, layer: int) -> tuple[int, int, int]:
@@ -244,12 +244,12 @@ class Layout:
         their full object and ``has(block, group)`` tells if a windowed group object
         is present. Every group with a window must be present on the last
         ``tail`` blocks before P (fewer when P is shorter than that)."""
-        windowed = [(g, t) for g, t in enumerate(self.group_tail_blocks) if t is not None]
+        windowed = [g for g, t in enumerate(self.group_tail_blocks) if t is not None]
         p = full_blocks
         while p > 0:
             bad = -1
-            for g, tail in windowed:
-                for j in range(p - 1, max(p - tail, 0) - 1, -1):
+            for g in windowed:
+                for j in reversed(self.window_blocks(g, p)):
                     if not has(j, g):
                         bad = max(bad, j)
                         break

@@ -485,7 +485,7 @@ static PyObject *py_copy_checksums(PyObject *self, PyObject *args, PyObject *kw)
 
 /* read_layer(seg, kdst, vdst, offsets, rows, sums, stride, li, off, kb, vb, threads=0)
  *   -> int: one layer of n blocks out of a mapped segment, planned, copied and
- * verified in one call (issue 12, round two). Block r's K is
+ * verified in one call. Block r's K is
  * seg[offsets[r] + off, +kb), its V the vb bytes after it; they land in rows
  * rows[r] of kdst (kb bytes a row) and vdst (vb bytes a row), and
  * xxh3-64(K || V) of what landed is compared with the 8 bytes at

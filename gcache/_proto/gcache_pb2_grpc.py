@@ -120,7 +120,7 @@ class ControlServicer:
 
     def WatchRemovals(self, request, context):
         """Blocks of a namespace that left GCache (evicted, dropped, lost with their
-        server; not tier moves), streamed while the call lasts (issue 13). Same access
+        server; not tier moves), streamed while the call lasts. Same access
         rule as RegisterNamespace (tenant token for its cache_salt).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

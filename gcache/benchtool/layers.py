@@ -40,8 +40,9 @@ def zero_kv(layout: Layout, ntokens: int) -> list[tuple[np.ndarray, np.ndarray]]
     nblocks = ntokens // layout.block_size
     out = []
     for i, spec in enumerate(layout.spec.layers):
-        tail = layout.group_tail_blocks[layout.layer_group[i]]
-        rows = ntokens if tail is None else min(nblocks, tail) * layout.block_size
+        g = layout.layer_group[i]
+        windowed = layout.group_tail_blocks[g] is not None
+        rows = len(layout.window_blocks(g, nblocks)) * layout.block_size if windowed else ntokens
         out.append(
             (
                 np.zeros((rows, spec.kv_heads, spec.k_head_dim), dt),

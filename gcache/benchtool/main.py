@@ -1,4 +1,7 @@
 """``gcache-bench``: bandwidth and latency of GCache by message size, perftest style.
+One file: the command line and the driver of each operation (its parser, the run
+of each op on a local or given deployment, the table); the operations themselves
+are in ``ops.py``, ``layers.py`` and ``tiers.py``.
 
 gcache-bench write -a --local               # sweep 4 KiB .. 64 MiB on a local deployment
 gcache-bench read -s 1MiB -D 5 --qd 8 --meta 127.0.0.1:7700

@@ -1,4 +1,3 @@
-# One file (over 450 lines): the one-pass adoption loop and the parked books it fills go together.
 """Putting reported records into the index, or on the parked books.
 
 The adoption half of the rebuild (``meta/rebuild.py`` drives it from the servers'
@@ -16,6 +15,7 @@ from itertools import repeat
 
 from gcache.config import MetaConfig
 from gcache.meta.index import Index
+from gcache.meta.parked import ParkedBooks
 from gcache.meta.records import (
     BlockEntry,
     NamespaceRecord,
@@ -30,60 +30,26 @@ from gcache.storage.columns import Columns
 
 def parked_from(cols: Columns) -> list[Parked]:
     """The records of a decoded columnar chunk (already in block order)."""
-    out = list(
-        map(
-            Parked,
-            cols.namespace,
-            cols.key,
-            cols.parent,
-            cols.pos,
-            cols.group,
-            cols.tier,
-            cols.offset,
-            cols.length,
-            cols.sums,
-            cols.seq,
-        )
-    )
+    fields = cols.fields()
+    out = list(map(Parked, *fields[:10]))  # (positions 0-9 of StoredRecord)
     if cols.layer_bytes is not None:
         for rec, lb in zip(out, cols.layer_bytes, strict=True):
             rec.layer_bytes = lb
     return out
 
 
-def _parked_row(
-    own: ParkedChunk | None,
-    srv: ServerRecord,
-    now: float,
-    namespace: bytes,
-    key: bytes,
-    parent: bytes,
-    pos: int,
-    group: int,
-    tier: int,
-    offset: int,
-    length: int,
-    sums: bytes,
-    seq: int,
-) -> Parked:
-    """One record (a row of a chunk, or of ``own``, a parked chunk) as a Parked."""
+Row = tuple[bytes, bytes, bytes, int, int, int, int, int, bytes, int, tuple[int, ...]]
+
+
+def parked_row(row: Row, srv: ServerRecord, own: ParkedChunk | None, now: float) -> Parked:
+    """One record of a chunk (a row in FIELDS order) as a Parked of ``srv``, or of
+    ``own``, the parked chunk it was a row of."""
+    rec = Parked(*row[:10], layer_bytes=row[10], server=srv)
     if own is None:
-        return Parked(namespace, key, parent, pos, group, tier, offset, length, sums, seq, srv, now)
-    return Parked(
-        namespace,
-        key,
-        parent,
-        pos,
-        group,
-        tier,
-        offset,
-        length,
-        sums,
-        seq,
-        srv,
-        own.since,
-        own.allocated,
-    )
+        rec.since = now
+    else:
+        rec.since, rec.allocated = own.since, own.allocated
+    return rec
 
 
 def recency(now: float, seq: int) -> float:
@@ -93,32 +59,17 @@ def recency(now: float, seq: int) -> float:
 
 
 class Adoption:
-    """The parked books and the adoption of reported records into the index (the
-    rebuild's other half: ``Rebuild`` feeds it the servers' reports)."""
+    """The adoption of reported records into the index, and what parking a record
+    or dropping it means for its server (the rebuild's other half: ``Rebuild``
+    feeds it the servers' reports; the books themselves are :class:`ParkedBooks`)."""
 
-    def __init__(self, cfg: MetaConfig, counters: Counter[str], index: Index) -> None:
+    def __init__(
+        self, cfg: MetaConfig, counters: Counter[str], index: Index, books: ParkedBooks
+    ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.index = index
-        self.parked_ns: dict[bytes, list[Parked]] = {}
-        self.parked_parent: dict[bytes, list[Parked]] = {}
-        self.parked_all: dict[int, Parked] = {}
-        self.parked_chunks: dict[int, ParkedChunk] = {}
-        self.parked_ns_chunks: dict[bytes, list[ParkedChunk]] = {}
-        self.parked_rows = 0
-
-    # namespace fingerprint -> parked records waiting for it
-    parked_ns: dict[bytes, list[Parked]]
-    # namespace fingerprint -> parked records waiting for their parent block, retried
-    # in bulk (Rebuild._retry_parents); entries no longer in parked_all are stale
-    parked_parent: dict[bytes, list[Parked]]
-    # every parked record in arrival order (id -> record): bound and expiry
-    parked_all: dict[int, Parked]
-    # whole chunks waiting for their namespace, in arrival order (id -> chunk), by
-    # namespace (entries no longer in parked_chunks are stale), and their records
-    parked_chunks: dict[int, ParkedChunk]
-    parked_ns_chunks: dict[bytes, list[ParkedChunk]]
-    parked_rows: int
+        self.books = books
 
     def adopt_columns(
         self,
@@ -151,7 +102,6 @@ class Adoption:
         ):
             return 0, 0, []
         counters = self.counters
-        lbs = cols.layer_bytes
         deferred: list[Parked] = []
         adopted = dropped = created = nbytes = 0
         base = now - 1.0  # recency(now, seq)
@@ -173,23 +123,14 @@ class Adoption:
         sparked: dict[int, Parked | ParkedChunk] = {}
         mask = cap = 0
         rows = zip(
-            cols.namespace,
-            cols.key,
-            cols.parent,
-            cols.pos,
-            cols.group,
-            cols.tier,
-            cols.offset,
-            cols.length,
-            cols.sums,
-            cols.seq,
-            lbs if lbs is not None else repeat((), n),
+            zip(*cols.fields(), strict=True),
             origin if origin is not None else repeat(None, n),
             owners if owners is not None else repeat(None, n),
             strict=True,
         )
-        mk = _parked_row
-        for nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb, orig, own in rows:
+        mk = parked_row
+        for row, orig, own in rows:
+            nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb = row
             s: ServerRecord = (
                 orig.server if orig is not None else own.server if own is not None else srv  # type: ignore[assignment]
             )
@@ -212,7 +153,7 @@ class Adoption:
                     )
                 )
             ):
-                rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
+                rec = orig or mk(row, s, own, now)
                 counters["report_invalid"] += 1
                 self.release_parked(rec)
                 dropped += 1
@@ -237,9 +178,7 @@ class Adoption:
                     gbytes = [0] * groups
                     full = ns.full_group
             if ns is None:
-                rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
-                rec.layer_bytes = lb
-                self.park(rec, self.parked_ns.setdefault(fp, []))
+                self.park_for_namespace(orig or mk(row, s, own, now))
                 continue
             entry = entries.get(key)
             if entry is None:
@@ -247,10 +186,7 @@ class Adoption:
                 if pos:
                     parent = entries.get(pkey)
                     if parent is None or parent.pos + 1 != pos:
-                        rec = orig or mk(
-                            own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq
-                        )
-                        rec.layer_bytes = lb
+                        rec = orig or mk(row, s, own, now)
                         deferred.append(rec)
                         continue
                 entry = entries[key] = BlockEntry(key, parent, pos, groups)
@@ -265,7 +201,7 @@ class Adoption:
                 or len(sums) != nsums[g]
                 or (lb and lb != group_layer_bytes(layout, g))
             ):
-                rec = orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
+                rec = orig or mk(row, s, own, now)
                 counters["report_invalid"] += 1
                 self.release_parked(rec)
                 self.index.prune(ns, entry)
@@ -277,9 +213,7 @@ class Adoption:
                 if have.server is s and have.tier == tier and have.offset == off:
                     continue  # reported again (a re-registration): already adopted
                 counters["report_duplicates"] += 1
-                self.release_parked(
-                    orig or mk(own, s, now, nsf, key, pkey, pos, g, tier, off, length, sums, seq)
-                )
+                self.release_parked(orig or mk(row, s, own, now))
                 continue
             last = base + (seq if seq < 10**9 else 10**9) * 1e-9
             obj = ObjectRecord(entry, g, s, off, length, sums, last, "", tier)
@@ -331,24 +265,9 @@ class Adoption:
             held is not None and not ranges.keys().isdisjoint(held.keys())
         ):
             return False
-        chunk = ParkedChunk(cols, srv, now, ranges)
-        sparked.update(dict.fromkeys(ranges, chunk))
-        self.parked_chunks[id(chunk)] = chunk
-        self.parked_ns_chunks.setdefault(cols.namespace[0], []).append(chunk)
-        self.parked_rows += n
+        self.books.park_chunk(ParkedChunk(cols, srv, now, ranges))
         self.counters["objects_parked"] += n
         self.bound_parked()
-        return True
-
-    def unpark_chunk(self, chunk: ParkedChunk) -> bool:
-        """Take ``chunk`` off the parked books (False: it was not on them)."""
-        if self.parked_chunks.pop(id(chunk), None) is None:
-            return False
-        self.parked_rows -= len(chunk.cols)
-        sparked = chunk.server.parked
-        for off in chunk.ranges:
-            if sparked.get(off) is chunk:
-                del sparked[off]
         return True
 
     def release_chunk(self, chunk: ParkedChunk) -> None:
@@ -371,16 +290,18 @@ class Adoption:
     def bound_parked(self) -> None:
         """At most ``max_parked_objects`` parked: the oldest go (a parked chunk
         whole, before single records)."""
+        books = self.books
         limit = self.cfg.max_parked_objects
-        while len(self.parked_all) + self.parked_rows > limit:
-            if self.parked_chunks:
-                chunk = next(iter(self.parked_chunks.values()))
-                self.unpark_chunk(chunk)
+        while len(books) > limit:
+            chunk = books.oldest_chunk()
+            if chunk is not None:
+                books.unpark_chunk(chunk)
                 self.release_chunk(chunk)
                 self.counters["parked_dropped"] += len(chunk.cols)
                 continue
-            old = self.parked_all.pop(next(iter(self.parked_all)))
-            self.unpark(old)
+            old = books.oldest_record()
+            assert old is not None
+            books.unpark(old)
             self.release_parked(old)
             self.counters["parked_dropped"] += 1
 
@@ -401,7 +322,7 @@ class Adoption:
             if rec.pos:
                 parent = entries.get(rec.parent)
                 if parent is None or parent.pos + 1 != rec.pos:
-                    self.park(rec, self.parked_parent.setdefault(rec.namespace, []))
+                    self.park_for_parent(rec)
                     return 0, 0
             groups = len(ns.layout.group_windows)  # num_groups, without the property call
             entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, groups)
@@ -424,24 +345,18 @@ class Adoption:
         other = srv.parked.get(rec.offset)
         return rec.offset in held or (other is not None and other is not rec)
 
-    def park(self, rec: Parked, where: list[Parked]) -> None:
-        where.append(rec)
-        self.parked_all[id(rec)] = rec
-        srv = rec.server
-        assert srv is not None
-        if rec.tier == 0:
-            srv.parked[rec.offset] = rec
-        self.counters["objects_parked"] += 1
-        if len(self.parked_all) + self.parked_rows > self.cfg.max_parked_objects:
-            self.bound_parked()
+    def park_for_namespace(self, rec: Parked) -> None:
+        self.books.park_for_namespace(rec)
+        self._parked()
 
-    def unpark(self, rec: Parked) -> None:
-        """Take ``rec`` off the parked books (not its lists: they are consumed whole,
-        and a stale entry there is skipped)."""
-        self.parked_all.pop(id(rec), None)
-        srv = rec.server
-        if srv is not None and rec.tier == 0 and srv.parked.get(rec.offset) is rec:
-            del srv.parked[rec.offset]
+    def park_for_parent(self, rec: Parked) -> None:
+        self.books.park_for_parent(rec)
+        self._parked()
+
+    def _parked(self) -> None:
+        self.counters["objects_parked"] += 1
+        if len(self.books) > self.cfg.max_parked_objects:
+            self.bound_parked()
 
     def release_parked(self, rec: Parked) -> None:
         """A reported object that will not be adopted: its server drops it (and its

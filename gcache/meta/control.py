@@ -29,6 +29,7 @@ from gcache.meta.rebuild import Parked
 from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord, group_layer_bytes
 from gcache.meta.tiers import Demotion, Promotion
 from gcache.storage import columns
+from gcache.storage.record import StoredRecord, to_proto
 
 log = logging.getLogger("gcache.meta.control")
 # The longest kv_identity a namespace takes (LoRA name + weights fingerprint + stage).
@@ -66,7 +67,7 @@ def stored(obj: ObjectRecord, ns: NamespaceRecord) -> Any:
     """The proto record of an object (what its server persists in its manifest)."""
     entry = obj.entry
     parent = entry.parent
-    return pb.StoredObject(
+    rec = StoredRecord(
         namespace=ns.fingerprint,
         key=entry.key,
         parent=parent.key if parent is not None else b"",
@@ -76,8 +77,10 @@ def stored(obj: ObjectRecord, ns: NamespaceRecord) -> Any:
         offset=obj.offset,
         length=obj.length,
         sums=obj.sums,
+        seq=0,
         layer_bytes=group_layer_bytes(ns.layout, obj.group),
     )
+    return to_proto(rec)
 
 
 class GcPause:
@@ -418,7 +421,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                 descriptor["kv_identity"] = request.kv_identity
             if not request.model:
                 raise LayoutError("model is required")
-            if self.core.parked_all or self.core.parked_chunks:
+            if len(self.core.parked):
                 with self.gc_pause():  # it may adopt what was reported for it
                     ns = self.core.register_namespace(descriptor, spec)
             else:

@@ -45,6 +45,7 @@ from gcache.meta.heartbeat import Heartbeats
 from gcache.meta.index import Index
 from gcache.meta.leases import Leases
 from gcache.meta.membership import Membership
+from gcache.meta.parked import ParkedBooks
 from gcache.meta.placement import Placement
 from gcache.meta.promotion import Promoter
 from gcache.meta.puts import Puts
@@ -153,8 +154,9 @@ class MetaCore:
         self.promoter = Promoter(cfg, c, self.index, self.tiers.demote_or_drop)
         self.leasing = Leases(cfg, c, self.index, self.promoter.on_pick)
         self.heartbeats = Heartbeats(cfg, c, self.membership, self.tiers, self.promoter)
-        self.adoption = Adoption(cfg, c, self.index)
-        self.rebuild = Rebuild(cfg, c, self.index, self.membership, self.adoption)
+        self.parked = ParkedBooks()
+        self.adoption = Adoption(cfg, c, self.index, self.parked)
+        self.rebuild = Rebuild(cfg, c, self.index, self.membership, self.adoption, self.parked)
         # High availability (meta/ha.py): why this meta may not serve at ``now``
         # (a standby's redirect), or None; the election's gauges for stats().
         self.not_leader: Callable[[float], str | None] | None = None
@@ -264,30 +266,6 @@ class MetaCore:
     @property
     def leases(self) -> dict[int, Lease]:
         return self.leasing.leases
-
-    @property
-    def parked_all(self) -> dict[int, Any]:
-        return self.adoption.parked_all
-
-    @property
-    def parked_chunks(self) -> dict[int, Any]:
-        return self.adoption.parked_chunks
-
-    @property
-    def parked_ns(self) -> dict[bytes, list[Any]]:
-        return self.adoption.parked_ns
-
-    @property
-    def parked_parent(self) -> dict[bytes, list[Any]]:
-        return self.adoption.parked_parent
-
-    @property
-    def parked_ns_chunks(self) -> dict[bytes, list[Any]]:
-        return self.adoption.parked_ns_chunks
-
-    @property
-    def parked_rows(self) -> int:
-        return self.adoption.parked_rows
 
     @property
     def now_s(self) -> float:
@@ -432,7 +410,7 @@ class MetaCore:
             used=sum(s.allocator.used for s in servers.values()),
         )
         out.update(self.heartbeats.tier_stats())
-        out["parked_objects"] = len(self.adoption.parked_all) + self.adoption.parked_rows
+        out.update(self.parked.stats())
         out.update(self.removals.stats())
         for name, val in index.group_bytes.items():
             out[f"bytes_stored_{name}"] = val

@@ -1,4 +1,3 @@
-# One file (over 450 lines): the report protocol (chunks, retries, completion) is one state machine.
 """Rebuilding the index from the servers' reports (after a meta or server restart).
 
 After ``RegisterServer`` a server that holds objects streams its manifest
@@ -40,6 +39,7 @@ from gcache.keys import KEY_SIZE
 from gcache.meta.adopt import Adoption, parked_from
 from gcache.meta.index import Index
 from gcache.meta.membership import Membership
+from gcache.meta.parked import ParkedBooks
 from gcache.meta.records import (
     GONE,
     LIVE,
@@ -52,6 +52,7 @@ from gcache.meta.records import (
 )
 from gcache.storage.allocator import SegmentAllocator
 from gcache.storage.columns import Columns, columns_of
+from gcache.storage.record import FIELDS
 
 # While at most this many records wait for a parent, they are retried after every
 # chunk (a few checks); past it only once as many records arrived as wait.
@@ -62,8 +63,9 @@ __all__ = ["RETRY_EAGER", "Parked", "Rebuild"]  # Parked: callers import it from
 
 
 class Rebuild:
-    """The servers' reports, chunk by chunk, into :class:`Adoption` (which owns the
-    parked books); a server's allocator built when its report is complete."""
+    """The servers' reports, chunk by chunk, into :class:`Adoption`; what waits is
+    on the :class:`ParkedBooks`, retried here; a server's allocator built when its
+    report is complete."""
 
     def __init__(
         self,
@@ -72,12 +74,14 @@ class Rebuild:
         index: Index,
         members: Membership,
         adoption: Adoption,
+        books: ParkedBooks,
     ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.index = index
         self.members = members
         self.adoption = adoption
+        self.books = books
         # records reported since the last retry of parked_parent
         self._since_retry = 0
         # objects of a server adopted while another server's report was adopted (a
@@ -194,8 +198,8 @@ class Rebuild:
                 self._retry_deferred(deferred, now, park=True)
             else:
                 dmap[srv.server_id] = deferred
-        if self.adoption.parked_parent:
-            waiting = self._waiting_parents()
+        if self.books.waiting_for_parent():
+            waiting = self.books.waiting_for_parent()
             if last or waiting <= RETRY_EAGER or self._since_retry >= waiting:
                 self._retry_parents(now)
         if self._credit:
@@ -247,7 +251,7 @@ class Rebuild:
                 self.counters["report_invalid"] += 1
                 self.adoption.release_parked(rec)
             else:
-                self.adoption.park(rec, self.adoption.parked_parent.setdefault(rec.namespace, []))
+                self.adoption.park_for_parent(rec)
         return []
 
     def deferred_of(self, server_id: str) -> int:
@@ -255,17 +259,14 @@ class Rebuild:
         recs = self._deferred.get(server_id) if self._deferred else None
         return len(recs) if recs else 0
 
-    def _waiting_parents(self) -> int:
-        return sum(len(v) for v in self.adoption.parked_parent.values())
-
     def _retry_parents(self, now: float) -> int:
         """Adopt, in block order, the parked records whose parent block is now in
         the index or among them (a chain of them in one pass, through the one-pass
         adoption); the rest wait on. Returns the objects adopted (credited to their
         servers, see ``_credit``)."""
         self._since_retry = 0
-        pools, self.adoption.parked_parent = self.adoption.parked_parent, {}
-        parked = self.adoption.parked_all
+        books = self.books
+        pools = books.take_parent_pools()
         credit = self._credit if self._credit is not None else {}
         n = 0
         for fp, pool in pools.items():
@@ -278,7 +279,7 @@ class Rebuild:
             ready: list[Parked] = []
             coming: set[bytes] = set()
             for rec in pool:
-                if id(rec) not in parked:
+                if not books.is_parked(rec):
                     continue  # expired, dropped or adopted meanwhile
                 parent = entries.get(rec.parent)
                 if (parent is not None and parent.pos + 1 == rec.pos) or rec.parent in coming:
@@ -288,8 +289,7 @@ class Rebuild:
                     keep.append(rec)
             n += self._adopt_parked(ns, ready, now, credit)
             if keep:
-                waiting = self.adoption.parked_parent.setdefault(fp, [])
-                waiting[:0] = keep
+                books.requeue_for_parent(fp, keep)
         self._credit = credit
         self.counters["objects_adopted"] += n
         return n
@@ -301,17 +301,15 @@ class Rebuild:
         in one pass; those still missing their parent are parked again."""
         live: list[Parked] = []
         for rec in recs:
-            self.adoption.unpark(rec)
+            self.books.unpark(rec)
             srv = rec.server
             if srv is not None and srv.alive:
                 live.append(rec)
         if not live:
             return 0
         got, _, deferred = self.adoption.adopt_columns(None, columns_of(live), now, live, credit)
-        if deferred:
-            where = self.adoption.parked_parent.setdefault(ns.fingerprint, [])
-            for rec in deferred:
-                self.adoption.park(rec, where)
+        for rec in deferred:
+            self.adoption.park_for_parent(rec)
         return got
 
     def _complete(self, srv: ServerRecord) -> None:
@@ -322,9 +320,8 @@ class Rebuild:
         assert reported is not None
         ranges = [(off, o.length) for off, o in reported.items()]
         ranges += [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
-        for chunk in self.adoption.parked_chunks.values():
-            if chunk.server is srv:
-                ranges += chunk.ranges.items()
+        for chunk in self.books.chunks_of(srv):
+            ranges += chunk.ranges.items()
         ranges.sort()
         mask = srv.allocator.align - 1
         used: list[tuple[int, int]] = []
@@ -354,7 +351,7 @@ class Rebuild:
                 what.skip.add(off)
             elif isinstance(what, Parked):
                 what.allocated = False
-                self.adoption.unpark(what)
+                self.books.unpark(what)
             elif what.state == LIVE:
                 entry = what.entry
                 nss = self.index.namespaces.values()
@@ -366,80 +363,58 @@ class Rebuild:
     def adopt_parked_namespace(self, ns: NamespaceRecord, now: float) -> int:
         """``ns`` was registered: adopt what was reported for it (its parked chunks
         merged in block order, in one pass)."""
-        n = self._adopt_chunks(ns, self.adoption.parked_ns_chunks.pop(ns.fingerprint, None), now)
-        waiting = self.adoption.parked_ns.pop(ns.fingerprint, None)
-        if not waiting:
-            self.counters["objects_adopted"] += n
-            if self.adoption.parked_parent.get(ns.fingerprint):
-                n += self._retry_parents(now)
-            return n
-        waiting.sort(key=_POS)
-        parked = self.adoption.parked_all
-        n += self._adopt_parked(ns, [r for r in waiting if id(r) in parked], now, None)
+        chunks, waiting = self.books.take_namespace(ns.fingerprint)
+        n = self._adopt_chunks(ns, chunks, now)
+        if waiting:
+            waiting.sort(key=_POS)
+            n += self._adopt_parked(ns, waiting, now, None)
         self.counters["objects_adopted"] += n
-        if self.adoption.parked_parent.get(ns.fingerprint):
+        if self.books.waiting_for_parent(ns.fingerprint):
             n += self._retry_parents(now)
         return n
 
-    def _adopt_chunks(
-        self, ns: NamespaceRecord, chunks: list[ParkedChunk] | None, now: float
-    ) -> int:
-        """Take the parked chunks of ``ns`` off the books and adopt their rows,
-        merged in block order, in one pass; rows still missing their parent are
-        parked one by one."""
-        live = [c for c in chunks or () if self.adoption.unpark_chunk(c) and c.server.alive]
+    def _adopt_chunks(self, ns: NamespaceRecord, chunks: list[ParkedChunk], now: float) -> int:
+        """Adopt the rows of parked chunks of ``ns`` (taken off the books), merged
+        in block order, in one pass; rows still missing their parent are parked one
+        by one."""
+        live = [c for c in chunks if c.server.alive]
         if not live:
             return 0
-        names: tuple[str, ...] = ("namespace", "key", "parent", "pos", "group", "tier")
-        names += ("offset", "length", "sums", "seq")
         if len(live) == 1 and not live[0].skip:
             cols = live[0].cols
             owners = [live[0]] * len(cols)
         else:
-            merged: dict[str, list[Any]] = {name: [] for name in names}
-            lbs: list[tuple[int, ...]] = []
+            merged: list[list[Any]] = [[] for _ in FIELDS]
             owners = []
             for c in live:
-                keep = None
+                fields = c.cols.fields()
                 if c.skip:  # rows whose range turned out to be another's
                     keep = [
                         i
                         for i, (t, off) in enumerate(zip(c.cols.tier, c.cols.offset, strict=True))
                         if t or off not in c.skip
                     ]
-                for name in names:
-                    col = getattr(c.cols, name)
-                    merged[name] += col if keep is None else [col[i] for i in keep]
-                rows = len(c.cols) if keep is None else len(keep)
-                clb = c.cols.layer_bytes
-                if clb is None:
-                    lbs += [()] * rows
-                else:
-                    lbs += clb if keep is None else [clb[i] for i in keep]
-                owners += [c] * rows
-            pos = merged["pos"]
-            order = sorted(range(len(pos)), key=pos.__getitem__)
-            if len(order) > 1:
-                pick = itemgetter(*order)
-                for name in names:
-                    merged[name] = list(pick(merged[name]))
-                lbs = list(pick(lbs))
+                    fields = [[col[i] for i in keep] for col in fields]
+                for into, col in zip(merged, fields, strict=True):
+                    into += col
+                owners += [c] * len(fields[0])
+            pos = merged[FIELDS.index("pos")]
+            if len(pos) > 1:
+                pick = itemgetter(*sorted(range(len(pos)), key=pos.__getitem__))
+                merged = [list(pick(col)) for col in merged]
                 owners = list(pick(owners))
-            cols = Columns(**merged, layer_bytes=lbs if any(lbs) else None)
+            cols = Columns(*merged)
+            if not any(cols.layer_bytes or ()):
+                cols.layer_bytes = None
         got, _, deferred = self.adoption.adopt_columns(None, cols, now, owners=owners)
-        if deferred:
-            where = self.adoption.parked_parent.setdefault(ns.fingerprint, [])
-            for rec in deferred:
-                self.adoption.park(rec, where)
+        for rec in deferred:
+            self.adoption.park_for_parent(rec)
         return got
 
     def parked_of(self, server_id: str) -> int:
         """Records of ``server_id`` still parked (waiting for a namespace or parent)."""
         srv = self.members.servers.get(server_id)
-        if srv is None:
-            return 0
-        rows = sum(len(c.cols) for c in self.adoption.parked_chunks.values() if c.server is srv)
-        return rows + sum(1 for r in self.adoption.parked_all.values() if r.server is srv)
+        return 0 if srv is None else self.books.of_server(srv)
 
     def expire_parked(self, now: float) -> None:
         """Free parked records older than ``parked_ttl_s``; park the records that
@@ -450,25 +425,13 @@ class Rebuild:
                     del self._deferred[sid]
                     self._retry_deferred(due, now, park=True)
         cutoff = now - self.cfg.parked_ttl_s
-        chunks = self.adoption.parked_chunks
-        while chunks:
-            chunk = next(iter(chunks.values()))
-            if chunk.since > cutoff:
-                break
-            self.adoption.unpark_chunk(chunk)
+        books = self.books
+        while (chunk := books.oldest_chunk()) is not None and chunk.since <= cutoff:
+            books.unpark_chunk(chunk)
             self.adoption.release_chunk(chunk)
             self.counters["parked_expired"] += len(chunk.cols)
-        if not chunks:
-            self.adoption.parked_ns_chunks.clear()
-        parked = self.adoption.parked_all
-        while parked:
-            rec = next(iter(parked.values()))
-            if rec.since > cutoff:
-                break
-            self.adoption.unpark(rec)
+        while (rec := books.oldest_record()) is not None and rec.since <= cutoff:
+            books.unpark(rec)
             self.adoption.release_parked(rec)
             self.counters["parked_expired"] += 1
-        if not parked:
-            # Consumed lists may hold stale records: drop them with the last one.
-            self.adoption.parked_ns.clear()
-            self.adoption.parked_parent.clear()
+        books.drop_stale()

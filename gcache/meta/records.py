@@ -16,6 +16,7 @@ from gcache import wire
 from gcache.layout import Layout
 from gcache.storage.allocator import SegmentAllocator
 from gcache.storage.columns import Columns
+from gcache.storage.record import StoredRecord
 
 if TYPE_CHECKING:
     from gcache.meta.session import Session
@@ -366,24 +367,13 @@ class Lease:
         self.owner = owner  # only this session may release it
 
 
-@dataclass(slots=True)
-class Parked:
-    """One reported object (proto ``StoredObject``) of a server."""
+class Parked(StoredRecord):
+    """A reported record (:class:`gcache.storage.record.StoredRecord`) of a server
+    that waits on the parked books for its namespace or its parent block."""
 
-    namespace: bytes
-    key: bytes
-    parent: bytes
-    pos: int
-    group: int
-    tier: int
-    offset: int
-    length: int
-    sums: bytes
-    seq: int
     server: ServerRecord | None = None
     since: float = 0.0
     allocated: bool = False  # its DRAM range is in the allocator (report complete)
-    layer_bytes: tuple[int, ...] = ()  # per-layer lengths when unequal (else ())
 
 
 @dataclass(slots=True, eq=False)

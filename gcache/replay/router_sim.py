@@ -303,7 +303,8 @@ class RouterSim:
             nbytes = pooled * self.layout.group_object_bytes[0]
             for g, tail in enumerate(self.layout.group_tail_blocks):
                 if tail is not None:
-                    nbytes += min(tail, pooled) * self.layout.group_object_bytes[g]
+                    window = self.layout.window_blocks(g, pooled)
+                    nbytes += len(window) * self.layout.group_object_bytes[g]
             service += self.cfg.fetch_latency_s + nbytes / self.cfg.fetch_bandwidth
             self.pool.touch(r.keys[local:done])
         inst.cache.touch(r.keys[:local])

@@ -33,8 +33,8 @@ from gcache.errors import (
     Refusal,
 )
 from gcache.server.tiered import MAX_NVME_READ, TieredReadReply
-from gcache.storage.manifest import StoredRecord
 from gcache.storage.nvme import NvmeTier
+from gcache.storage.record import StoredRecord, from_info
 from gcache.storage.segment import Segment
 
 MAX_READ_RANGES: Final = 1 << 16
@@ -61,19 +61,7 @@ def bind_of(obj: wire.ObjectInfo | None) -> bytes:
 
 def record_of(grant: wire.Grant, obj: wire.ObjectInfo) -> StoredRecord:
     """The manifest record of the object ``grant`` wrote (a DRAM object)."""
-    return StoredRecord(
-        namespace=obj.namespace,
-        key=obj.key,
-        parent=obj.parent,
-        pos=obj.pos,
-        group=obj.group,
-        tier=0,
-        offset=grant.offset,
-        length=grant.length,
-        sums=obj.sums,
-        seq=0,
-        layer_bytes=tuple(obj.layer_bytes),
-    )
+    return from_info(obj, tier=0, offset=grant.offset, length=grant.length)
 
 
 def _check_sums(obj: wire.ObjectInfo | None) -> None:

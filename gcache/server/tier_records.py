@@ -1,7 +1,7 @@
-"""The pieces of the server's tiers that need no state: record <-> proto
-conversion, splitting a demotion batch by segment file, the DRAM bandwidth
-measured at start, and the checks on a segment file another process may hold or
-have left (used by :class:`gcache.server.tiers.TierState`)."""
+"""The pieces of the server's tiers that need no state: splitting a demotion
+batch by segment file, the DRAM bandwidth measured at start, and the checks on a
+segment file another process may hold or have left (used by
+:class:`gcache.server.tiers.TierState`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
-from gcache._proto import gcache_pb2 as pb
 from gcache.errors import GCacheError
-from gcache.storage.manifest import StoredRecord, read_owner
+from gcache.storage.manifest import read_owner
+from gcache.storage.record import StoredRecord
 from gcache.storage.segment import manifest_path
 
 log = logging.getLogger("gcache.server")
@@ -38,38 +38,6 @@ def split_batch(cmds: list[StoredRecord], segment: int) -> list[list[StoredRecor
             cut = i + 1
             break
     return [cmds[:cut], cmds[cut:]]
-
-
-def proto_record(o: pb.StoredObject) -> StoredRecord:
-    return StoredRecord(
-        namespace=o.namespace,
-        key=o.key,
-        parent=o.parent,
-        pos=o.pos,
-        group=o.group,
-        tier=o.tier,
-        offset=o.offset,
-        length=o.length,
-        sums=o.sums,
-        seq=o.seq,
-        layer_bytes=tuple(o.layer_bytes),
-    )
-
-
-def record_proto(r: StoredRecord) -> pb.StoredObject:
-    return pb.StoredObject(
-        namespace=r.namespace,
-        key=r.key,
-        parent=r.parent,
-        pos=r.pos,
-        group=r.group,
-        tier=r.tier,
-        offset=r.offset,
-        length=r.length,
-        sums=r.sums,
-        seq=r.seq,
-        layer_bytes=r.layer_bytes,
-    )
 
 
 def dram_gbps(view: memoryview, nbytes: int = 64 << 20) -> float:

@@ -1,3 +1,4 @@
+# One file (over 450 lines): TierState owns a server's segment, manifest and NVMe tier.
 """What a ``gcache-server`` keeps across restarts, and its NVMe tier's control side.
 
 * At start (:meth:`TierState.start`): re-adopt the segment file a dead process of
@@ -42,15 +43,14 @@ from gcache.errors import GCacheError
 from gcache.server.tier_records import (
     dram_gbps,
     left_under_own_name,
-    proto_record,
-    record_proto,
     remove_left_under_own_name,
     split_batch,
 )
 from gcache.storage import columns as columnsmod
 from gcache.storage import nvme as nvmemod
-from gcache.storage.manifest import Manifest, StoredRecord, read_owner
+from gcache.storage.manifest import Manifest, read_owner
 from gcache.storage.nvme import NvmeTier
+from gcache.storage.record import StoredRecord, from_proto, to_proto
 from gcache.storage.segment import Segment, manifest_path
 
 log = logging.getLogger("gcache.server")
@@ -202,7 +202,7 @@ class TierState:
                 if columns:
                     req.columns.CopyFrom(columnsmod.encode(part))
                 else:
-                    req.objects.extend(record_proto(r) for r in part)
+                    req.objects.extend(to_proto(r) for r in part)
                 yield req
 
         try:
@@ -262,7 +262,7 @@ class TierState:
 
     def apply(self, reply: pb.HeartbeatReply) -> None:
         frees = [(r.offset, r.length) for r in reply.free]
-        adopt = [proto_record(o) for o in reply.adopt]
+        adopt = [from_proto(o) for o in reply.adopt]
         if frees or adopt:
             try:
                 self.adopted += self.manifest.apply(frees, adopt, self.segment.view)
@@ -278,7 +278,7 @@ class TierState:
                 )
             return
         drops = [(r.offset, r.length) for r in reply.drop_nvme]
-        cmds = [proto_record(c.object) for c in reply.demote]
+        cmds = [from_proto(c.object) for c in reply.demote]
         if drops or cmds:
             self._loop = asyncio.get_running_loop()
             # A reply holding most of DRAM in two jobs (H2): the first half's report
@@ -389,7 +389,7 @@ class TierState:
         seg = self.segment
         out: list[tuple[pb.Promoted, StoredRecord]] = []
         for cmd in cmds:
-            rec = proto_record(cmd.object)
+            rec = from_proto(cmd.object)
             dram, length = cmd.dram_offset, rec.length
             res = pb.Promoted(nvme_offset=rec.offset, length=length, dram_offset=dram)
             inside = length > 0 and seg.in_bounds(dram, length)

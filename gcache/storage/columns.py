@@ -1,4 +1,5 @@
-"""A chunk of a server's records in columns (proto ``StoredColumns``).
+"""A chunk of a server's records in columns (proto ``StoredColumns``): an
+encoding of :class:`gcache.storage.record.StoredRecord`.
 
 A restarted meta rebuilds its index from the servers' reports (``ReportObjects``):
 a million records as a million ``StoredObject`` messages cost the meta about a
@@ -24,7 +25,7 @@ import numpy as np
 
 from gcache._proto import gcache_pb2 as pb
 from gcache.errors import ProtocolError
-from gcache.storage.manifest import StoredRecord
+from gcache.storage.record import StoredRecord
 
 KEY: Final = 16
 MAX_RECORDS: Final = 1 << 16  # per chunk (servers send 2048)
@@ -51,10 +52,27 @@ class Columns:
     def __len__(self) -> int:
         return len(self.key)
 
+    def fields(self) -> list[Sequence[Any]]:
+        """The columns in :data:`gcache.storage.record.FIELDS` order
+        (``layer_bytes`` all ``()`` when no record has any)."""
+        lbs = self.layer_bytes
+        return [
+            self.namespace,
+            self.key,
+            self.parent,
+            self.pos,
+            self.group,
+            self.tier,
+            self.offset,
+            self.length,
+            self.sums,
+            self.seq,
+            lbs if lbs is not None else [()] * len(self.key),
+        ]
 
-def columns_of(records: Sequence[Any]) -> Columns:
-    """Records with the attributes of :class:`StoredRecord` (already checked and in
-    block order) as :class:`Columns`."""
+
+def columns_of(records: Sequence[StoredRecord]) -> Columns:
+    """Records (already checked and in block order) as :class:`Columns`."""
     lbs = [r.layer_bytes for r in records]
     return Columns(
         namespace=[r.namespace for r in records],
@@ -99,9 +117,7 @@ def encode(records: Sequence[StoredRecord]) -> Any:
     )
     if any(r.layer_bytes for r in records):
         cols.nlayer_bytes = np.array([len(r.layer_bytes) for r in records], "<u2").tobytes()
-        cols.layer_bytes = np.array(
-            [b for r in records for b in r.layer_bytes], "<u4"
-        ).tobytes()
+        cols.layer_bytes = np.array([b for r in records for b in r.layer_bytes], "<u4").tobytes()
     return cols
 
 
@@ -129,8 +145,7 @@ def decode(cols: Any) -> Columns:
     parents = cols.parents
     if len(parents) != n * KEY:
         raise ProtocolError(
-            f"report chunk refused: parents hold {len(parents)} bytes, {n} records need "
-            f"{n * KEY}"
+            f"report chunk refused: parents hold {len(parents)} bytes, {n} records need {n * KEY}"
         )
     ns_index = _array(cols, "ns_index", 2, n)
     pos = _array(cols, "pos", 4, n)

@@ -58,6 +58,7 @@ from sortedcontainers import SortedList
 
 from gcache import _native
 from gcache.errors import GCacheError
+from gcache.storage.record import StoredRecord
 
 _FRAME: Final = struct.Struct("<II")
 MAX_FRAME: Final = 1 << 20
@@ -66,26 +67,6 @@ KIND_ADD: Final = 1
 KIND_FREE: Final = 2
 KIND_OWNER: Final = 3  # first frame of every log: whose segment this is
 VERIFY_BATCH: Final = 64 << 20  # bytes checked per checksum call at start
-
-
-class StoredRecord(msgspec.Struct, array_like=True):
-    """One object a server holds (the owner's record; the wire twin is
-    ``StoredObject`` in proto/gcache.proto)."""
-
-    namespace: bytes
-    key: bytes
-    parent: bytes
-    pos: int
-    group: int
-    tier: int
-    offset: int
-    length: int
-    sums: bytes
-    seq: int
-    digest: int = 0  # unused (logs of older servers carried xxh3_64 of the bytes)
-    # Byte length of each layer when the group's layers differ in size;
-    # () when they are equal (logs of older servers never carry it).
-    layer_bytes: tuple[int, ...] = ()
 
 
 class _Entry(msgspec.Struct, array_like=True):

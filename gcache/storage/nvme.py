@@ -45,7 +45,7 @@ import numpy as np
 
 from gcache import _native
 from gcache.errors import GCacheError
-from gcache.storage.manifest import StoredRecord
+from gcache.storage.record import StoredRecord
 
 BLOCK: Final = 4096
 _REGION_MAGIC: Final = b"GCNR"

@@ -16,7 +16,7 @@ from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.cli.deploy import LocalDeployment
 from gcache.layout import Layout
 from gcache.storage import columns
-from gcache.storage.manifest import StoredRecord
+from gcache.storage.record import StoredRecord
 from tests.kvdata import tiny_hybrid
 
 

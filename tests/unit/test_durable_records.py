@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from gcache import _native, capability, wire
 from gcache.errors import E_ACCESS_DENIED, E_INTERNAL, GCacheError, Refusal
 from gcache.server.core import DataPlaneCore, record_of
-from gcache.storage.manifest import Manifest, StoredRecord
+from gcache.storage.manifest import Manifest
+from gcache.storage.record import StoredRecord
 from gcache.storage.segment import Segment
 
 CAP = 1 << 20

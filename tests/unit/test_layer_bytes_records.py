@@ -12,8 +12,9 @@ import msgspec
 
 from gcache import _native
 from gcache.storage import manifest as mf
-from gcache.storage.manifest import Manifest, StoredRecord
+from gcache.storage.manifest import Manifest
 from gcache.storage.nvme import NvmeTier
+from gcache.storage.record import StoredRecord
 
 MiB = 1 << 20
 SIZES = (4096, 1024, 3072)  # three layers of one object, unequal

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 from gcache import _native
-from gcache.storage.manifest import Manifest, StoredRecord
+from gcache.storage.manifest import Manifest
+from gcache.storage.record import StoredRecord
 
 SEG: memoryview | None = None  # the segment _rec takes its checksums from
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from gcache.errors import GCacheError
-from gcache.storage.manifest import StoredRecord
 from gcache.storage.nvme import BLOCK, NvmeTier, geometry
+from gcache.storage.record import StoredRecord
 
 MiB = 1 << 20
 

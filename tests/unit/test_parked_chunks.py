@@ -48,8 +48,8 @@ def test_a_chunk_parked_whole_is_adopted_when_its_namespace_registers_late() -> 
     n = _report_chunks(new, reports, 1.0)
     assert n == old.stats()["objects"] > 0
     # Parked in columns: no object per record, every DRAM range held.
-    assert not new.parked_all
-    assert new.parked_rows == n and len(new.parked_chunks) == 4
+    assert new.parked.records == 0
+    assert new.parked.chunk_rows == n and new.parked.chunks == 4
     assert new.stats()["parked_objects"] == n
     assert new.parked_of("s0") == len(reports["s0"])
     for sid in ("s0", "s1"):
@@ -60,7 +60,7 @@ def test_a_chunk_parked_whole_is_adopted_when_its_namespace_registers_late() -> 
     # server's chunks come first), none parked again one by one.
     new.register_namespace({"model": "m"}, old.namespaces[fp].layout.spec)
     assert new.stats()["objects"] == n
-    assert new.stats()["parked_objects"] == 0 and not new.parked_chunks
+    assert new.stats()["parked_objects"] == 0 and new.parked.chunks == 0
     assert new.counters["objects_parked"] == n  # only the chunks themselves
     assert new.counters["objects_adopted"] == n
     assert all(not s.parked for s in new.servers.values())
@@ -83,10 +83,11 @@ def test_parked_chunks_expire_and_their_ranges_are_freed() -> None:
     used = {sid: new.servers[sid].allocator.used for sid in ("s0", "s1")}
     assert all(used.values())
     new.expire_parked(3.0)
-    assert new.parked_rows == n  # not yet
+    assert new.parked.chunk_rows == n  # not yet
     new.expire_parked(7.0)
     assert new.counters["parked_expired"] == n
-    assert new.parked_rows == 0 and not new.parked_chunks and not new.parked_ns_chunks
+    assert new.parked.chunk_rows == 0 and new.parked.chunks == 0
+    assert new.parked.waiting_for_namespace() == 0
     for sid in ("s0", "s1"):
         srv = new.servers[sid]
         assert srv.allocator.used == 0, "ranges not leaked"
@@ -109,7 +110,7 @@ def test_a_chunk_parked_before_its_report_completes_frees_to_the_server() -> Non
     srv = new.servers["s0"]
     assert not srv.ready and len(srv.parked) == len(recs)
     new.expire_parked(7.0)  # report still in progress: nothing in the allocator yet
-    assert not srv.parked and new.parked_rows == 0
+    assert not srv.parked and new.parked.chunk_rows == 0
     assert sorted(srv.freed) == sorted((r.offset, r.length) for r in recs)
     assert new.report_columns("s0", 1, columns_of([]), True, 8.0) == (0, 0)
     assert srv.ready and srv.allocator.used == 0
@@ -124,7 +125,7 @@ def test_the_parked_bound_drops_the_oldest_chunk_whole() -> None:
     new = _restarted(1, max_parked_objects=len(recs) - 1)
     new.report_columns("s0", 1, columns_of(recs[:half]), False, 1.0)
     new.report_columns("s0", 1, columns_of(recs[half:]), True, 1.0)
-    assert new.parked_rows == len(recs) - half
+    assert new.parked.chunk_rows == len(recs) - half
     assert new.counters["parked_dropped"] == half
     srv = new.servers["s0"]
     assert srv.allocator.used == sum(r.length for r in recs[half:])

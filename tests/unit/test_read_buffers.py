@@ -14,8 +14,8 @@ import pytest
 
 from gcache.errors import GCacheError
 from gcache.server.tiered import MIN_BUFFER, ReadBuffers, TieredReadReply
-from gcache.storage.manifest import StoredRecord
 from gcache.storage.nvme import BLOCK, NvmeTier
+from gcache.storage.record import StoredRecord
 
 MiB = 1 << 20
 

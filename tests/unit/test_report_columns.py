@@ -17,7 +17,7 @@ from gcache.errors import ProtocolError
 from gcache.layout import Layout
 from gcache.meta.core import MetaCore
 from gcache.storage import columns
-from gcache.storage.manifest import StoredRecord
+from gcache.storage.record import StoredRecord
 from tests.kvdata import tiny_hybrid
 from tests.unit.test_meta_tiers import KB, addr
 

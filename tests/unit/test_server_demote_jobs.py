@@ -17,8 +17,9 @@ from pathlib import Path
 
 from gcache._proto import gcache_pb2 as pb
 from gcache.server.tiers import TierState, split_batch
-from gcache.storage.manifest import Manifest, StoredRecord
+from gcache.storage.manifest import Manifest
 from gcache.storage.nvme import NvmeTier
+from gcache.storage.record import StoredRecord
 from gcache.storage.segment import Segment, manifest_path
 
 KIB = 1 << 10

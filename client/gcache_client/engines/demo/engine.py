@@ -39,6 +39,7 @@ from gcache_client.engines.hf import (
     PrefixLoadFailed,
     TransformersConnector,
     kv_from_cache,
+    set_layer_kv,
 )
 from gcache_client.engines.kv_events import ZmqPublisher, change_events
 from gcache_client.engines.local_cache import Change, LocalPrefixCache
@@ -101,14 +102,7 @@ class Engine:
             vs = [payloads[(j, g)][li][1] for j in window]
             k = torch.cat(ks).permute(1, 0, 2).unsqueeze(0)
             v = torch.cat(vs).permute(1, 0, 2).unsqueeze(0)
-            lay = cache.layers[layer]
-            lay.lazy_initialization(k, v)
-            if getattr(lay, "is_sliding", False):
-                keep = lay.sliding_window - 1
-                lay.keys, lay.values = k[:, :, -keep:], v[:, :, -keep:]
-                lay.cumulative_length = blocks * self.block_size
-            else:
-                lay.keys, lay.values = k, v
+            set_layer_kv(cache.layers[layer], k, v, blocks * self.block_size)
         return cache
 
     def _store(self, ids: np.ndarray, keys: Sequence[bytes], cache: Any, put: bool = True) -> None:

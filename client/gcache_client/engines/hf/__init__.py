@@ -34,6 +34,7 @@ from __future__ import annotations
 from gcache_client.engines.hf.cache import GCachePrefixCache as GCachePrefixCache
 from gcache_client.engines.hf.cache import PrefixLoadFailed as PrefixLoadFailed
 from gcache_client.engines.hf.cache import WindowCapture as WindowCapture
+from gcache_client.engines.hf.cache import set_layer_kv as set_layer_kv
 from gcache_client.engines.hf.connector import PrefillOutput as PrefillOutput
 from gcache_client.engines.hf.connector import TransformersConnector as TransformersConnector
 from gcache_client.engines.hf.model import kv_from_cache as kv_from_cache

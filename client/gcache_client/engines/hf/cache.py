@@ -19,6 +19,22 @@ from gcache_client.sync import SyncLayerStream
 from gcache_client.types import KVPair
 
 
+def set_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
+    """A ``DynamicCache`` layer holding the prefix's ``k`` / ``v`` (``[1, heads,
+    rows, dim]``, the rows a load brought). A sliding layer keeps what
+    transformers keeps of it, the last ``W - 1`` rows (a stored window may be up to
+    a block longer: ``Layout.window_rows``), and counts all ``tokens`` of the
+    prefix as seen."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(k, v)
+    if getattr(layer, "is_sliding", False):
+        keep = layer.sliding_window - 1
+        layer.keys, layer.values = k[:, :, -keep:], v[:, :, -keep:]
+        layer.cumulative_length = tokens
+    else:
+        layer.keys, layer.values = k, v
+
+
 class PrefixLoadFailed(GCacheError):
     """Raised inside a forward pass when a prefix layer could not be loaded; the
     connector catches it and recomputes (a miss)."""
@@ -141,17 +157,7 @@ class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
             # the in-process cache pays too.
             k = k.permute(1, 0, 2).unsqueeze(0).to(self._gc_device, self._gc_dtype)
             v = v.permute(1, 0, 2).unsqueeze(0).to(self._gc_device, self._gc_dtype)
-            layer = self.layers[lkv.layer]
-            if not layer.is_initialized:
-                layer.lazy_initialization(k, v)
-            if getattr(layer, "is_sliding", False):
-                # The stored window may be up to a block longer than the W - 1
-                # rows transformers keeps of it.
-                keep = layer.sliding_window - 1
-                layer.keys, layer.values = k[:, :, -keep:], v[:, :, -keep:]
-                layer.cumulative_length = self._gc_prefix
-            else:
-                layer.keys, layer.values = k, v
+            set_layer_kv(self.layers[lkv.layer], k, v, self._gc_prefix)
             self._gc_next += 1
 
     def loaded_all(self) -> None:
