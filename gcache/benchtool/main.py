@@ -349,7 +349,9 @@ def run_lookups(
     # The same index in this process, no sockets: where the meta's time goes.
     from gcache.config import MetaConfig
 
-    core = MetaCore(MetaConfig())
+    # No server heartbeats this core: the records of its commits (the outbox a
+    # server's next heartbeat would take) must fit whole, or placement pauses.
+    core = MetaCore(MetaConfig(adopt_outbox=max(1 << 16, 4 * total_blocks)))
     core.register_server(
         wire.ServerAddr("inproc", "127.0.0.1", 1, "h", ""), bytes(16), 1, 1 << 50, 0.0
     )
