@@ -76,21 +76,23 @@ def main() -> None:
 
                 def med(tree: str, key: str, op: str = op, size: str = size,
                         transport: str = transport) -> float:  # fmt: skip
-                    return statistics.median(
-                        r[key]
-                        for r in runs
-                        if (r["tree"], r["op"], r["size"], r["transport"])
-                        == (tree, op, size, transport)
+                    return float(
+                        statistics.median(
+                            r[key]
+                            for r in runs
+                            if (r["tree"], r["op"], r["size"], r["transport"])
+                            == (tree, op, size, transport)
+                        )
                     )
 
                 cells = [op, size, transport]
-                row: dict[str, Any] = {"op": op, "size": size, "transport": transport}
+                line: dict[str, Any] = {"op": op, "size": size, "transport": transport}
                 for key in ("lat_p50_us", "lat_p99_us", "bw_avg_gbps"):
                     b, a = med("before", key), med("after", key)
-                    row[key] = {"before": b, "after": a, "ratio": a / b if b else None}
+                    line[key] = {"before": b, "after": a, "ratio": a / b if b else None}
                     fmt = ".3f" if key == "bw_avg_gbps" else ".1f"
                     cells += [format(b, fmt), format(a, fmt), f"{a / b:.2f}" if b else "-"]
-                summary.append(row)
+                summary.append(line)
                 print("| " + " | ".join(cells) + " |")
     args.json.write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
 

@@ -191,9 +191,7 @@ class HotPathServer(FramedDaemon):
             listener,
             what="hot-path",
             log=log,
-            limiter=ConnectionLimiter(
-                cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
-            ),
+            limiter=ConnectionLimiter.of(cfg),
             max_body=cfg.max_body_bytes,
             send_timeout=cfg.send_timeout_s,
             check_body=key_count_check(cfg.max_keys_per_request),

@@ -189,9 +189,7 @@ class RouterHotPath(FramedDaemon):
             listener,
             what="router",
             log=log,
-            limiter=ConnectionLimiter(
-                cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
-            ),
+            limiter=ConnectionLimiter.of(cfg),
             max_body=cfg.max_body_bytes,
             send_timeout=cfg.send_timeout_s,
             check_body=route_key_check(MAX_ROUTE_KEYS),

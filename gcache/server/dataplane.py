@@ -206,9 +206,7 @@ class DataPlane(FramedDaemon):
             None,
             what="",
             log=log,
-            limiter=ConnectionLimiter(
-                cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s
-            ),
+            limiter=ConnectionLimiter.of(cfg),
             max_body=cfg.max_body_bytes,
             send_timeout=cfg.send_timeout_s,
             internal_error_reply=False,

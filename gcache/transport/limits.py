@@ -22,7 +22,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from gcache import wire
 from gcache.errors import E_BUSY
@@ -49,10 +49,26 @@ class Conn:
         self.idle_since: float | None = now
 
 
+class ConnectionSettings(Protocol):
+    """The connection limits every daemon's config carries (same names in each)."""
+
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def max_connections_per_peer(self) -> int: ...
+    @property
+    def idle_timeout_s(self) -> float: ...
+
+
 class ConnectionLimiter:
     """Admission and idle bookkeeping for one daemon's connections. Bounded: it
     holds at most ``max_connections`` entries and one counter per peer with an
     open connection."""
+
+    @classmethod
+    def of(cls, cfg: ConnectionSettings) -> ConnectionLimiter:
+        """The limiter a daemon's config asks for."""
+        return cls(cfg.max_connections, cfg.max_connections_per_peer, cfg.idle_timeout_s)
 
     def __init__(self, max_connections: int, max_per_peer: int, idle_timeout_s: float) -> None:
         if not 1 <= max_per_peer <= max_connections:
