@@ -435,8 +435,14 @@ class ServerConfig:
         "data-plane connections open at once from one address", default=1024
     )
     # -- NVMe tier and restarts (gcache/storage/nvme.py, manifest.py) --
-    nvme_path: str = _doc("directory of the NVMe tier's files", default="")
-    nvme_size: str = _doc("size of the NVMe tier (e.g. 64GiB); 0 = no NVMe tier", default="0")
+    nvme_path: str = _doc(
+        "directory of the NVMe tier's files (with nvme_size; empty: no NVMe tier)", default=""
+    )
+    nvme_size: str = _doc(
+        "size of the NVMe tier (e.g. 64GiB); needed with nvme_path (empty: not set, an "
+        "error when nvme_path is); 0 = no NVMe tier",
+        default="",
+    )
     nvme_direct: bool = _doc(
         "write the NVMe tier with O_DIRECT (buffered where the file system refuses it)",
         default=True,
@@ -470,7 +476,7 @@ class ServerConfig:
 
     @property
     def nvme_size_bytes(self) -> int:
-        return parse_size(self.nvme_size)
+        return parse_size(self.nvme_size) if self.nvme_size.strip() else 0
 
     def check(self) -> None:
         _check_fields(self)
@@ -493,6 +499,11 @@ class ServerConfig:
             )
         if nvme and not self.nvme_path:
             raise ConfigError("server.nvme_size needs server.nvme_path (--nvme-path DIR)")
+        if self.nvme_path and not self.nvme_size.strip():
+            raise ConfigError(
+                f"server.nvme_path ({self.nvme_path}) needs server.nvme_size: give the "
+                "tier a size (--nvme-size 64GiB), or --nvme-size 0 to run without one"
+            )
         try:
             staging = self.staging_size_bytes
         except ConfigError as exc:
