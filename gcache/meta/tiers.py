@@ -240,8 +240,9 @@ class Tiers:
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
         allocator = srv.allocator
         for obj, ns in self.index.policy.candidates(srv):
-            why = self._leaving(obj, ns)
-            if why in (DEMOTE, BEHIND) and srv.demoting_bytes >= size:
+            covered = srv.demoting_bytes >= size  # no NVMe room made for a demotion then
+            why = self._leaving(obj, ns, make_nvme_room=not covered)
+            if why in (DEMOTE, BEHIND) and covered:
                 held.append((obj, ns))  # wait for the demotions in flight instead
                 break
             if why == DEMOTE:
@@ -304,11 +305,14 @@ class Tiers:
         obj.server.dropped += 1
         return self.index.drop(obj, ns)
 
-    def _leaving(self, obj: ObjectRecord, ns: NamespaceRecord) -> str:
+    def _leaving(self, obj: ObjectRecord, ns: NamespaceRecord, make_nvme_room: bool = True) -> str:
         """The rule (module docstring) for DRAM object ``obj`` leaving DRAM:
         ``DEMOTE``, ``BEHIND`` (it would be demoted, but its server has
         ``max_demotions_in_flight`` pending: neither demote nor drop it now), or
-        the reason to drop it (``NO_TIER``, ``NOT_WORTH``, ``TIER_FULL``)."""
+        the reason to drop it (``NO_TIER``, ``NOT_WORTH``, ``TIER_FULL``).
+        ``make_nvme_room``: evict NVMe objects for one worth it past the NVMe high
+        watermark (else say ``DEMOTE`` for it without: the caller will not demote
+        it now)."""
         srv = obj.server
         cfg = self.cfg
         if not (cfg.demote and self._tier_open(srv)):
@@ -318,7 +322,7 @@ class Tiers:
             return NOT_WORTH
         if len(srv.demoting) >= cfg.max_demotions_in_flight:
             return BEHIND
-        if not room:
+        if not room and make_nvme_room:
             high = cfg.nvme_high_watermark * srv.nvme_capacity
             if srv.nvme_bytes + obj.length > high:
                 self._evict_nvme(srv, int(cfg.nvme_low_watermark * srv.nvme_capacity))
