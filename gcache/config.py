@@ -233,8 +233,9 @@ class MetaConfig:
     )
     # -- tiers and restarts (gcache/meta/tiers.py, rebuild.py) --
     demote: bool = _doc(
-        "above high_watermark, copy DRAM objects worth a disk write to their server's "
-        "NVMe tier instead of dropping them",
+        "above high_watermark, copy DRAM objects to their server's NVMe tier instead "
+        "of dropping them: all of them while the tier is below nvme_low_watermark, "
+        "only those worth a disk write past it",
         default=True,
     )
     nvme_high_watermark: float = _doc(
@@ -246,25 +247,27 @@ class MetaConfig:
         default=400.0,
     )
     demote_min_gain: float = _doc(
-        "demote an object only if recomputing its block takes at least this many times "
-        "longer than reading it back from NVMe",
+        "past nvme_low_watermark, demote an object only if recomputing its block takes "
+        "at least this many times longer than reading it back from NVMe",
         default=1.0,
     )
     max_demotions_in_flight: int = _doc(
-        "demotions sent to a server and not reported done yet; past it, DRAM objects "
-        "leaving DRAM are dropped",
+        "demotions sent to a server and not reported done yet; past it demotion is "
+        "behind: nothing the tier has room for is dropped, puts that need the room wait "
+        "(put_wait_s)",
         default=4096,
     )
     demote_watermark: float = _doc(
         "above this fraction used (and below high_watermark), demote DRAM objects "
-        "worth a disk write continuously, so a server's disk always has a batch while "
-        "puts arrive; at or above high_watermark: off",
+        "continuously (as the demote rule says, dropping none), so a server's disk "
+        "always has a batch while puts arrive; at or above high_watermark: off",
         default=0.85,
     )
     put_wait_s: float = _doc(
-        "a put that finds DRAM full while demotions in flight will make its room waits "
-        "in the meta up to this long (then evicts as before) instead of dropping "
-        "worth-keeping objects; keep it below the clients' timeout_s; 0: off",
+        "a put that finds DRAM full while demotions in flight will make its room (or "
+        "demotion is behind) waits in the meta up to this long (then evicts as before, "
+        "counted dropped_put_could_not_wait) instead of dropping objects the NVMe tier "
+        "would keep; keep it below the clients' timeout_s; 0: off",
         zero_ok=True,
         default=1.0,
     )
@@ -432,8 +435,14 @@ class ServerConfig:
         "data-plane connections open at once from one address", default=1024
     )
     # -- NVMe tier and restarts (gcache/storage/nvme.py, manifest.py) --
-    nvme_path: str = _doc("directory of the NVMe tier's files", default="")
-    nvme_size: str = _doc("size of the NVMe tier (e.g. 64GiB); 0 = no NVMe tier", default="0")
+    nvme_path: str = _doc(
+        "directory of the NVMe tier's files (with nvme_size; empty: no NVMe tier)", default=""
+    )
+    nvme_size: str = _doc(
+        "size of the NVMe tier (e.g. 64GiB); needed with nvme_path (empty: not set, an "
+        "error when nvme_path is); 0 = no NVMe tier",
+        default="",
+    )
     nvme_direct: bool = _doc(
         "write the NVMe tier with O_DIRECT (buffered where the file system refuses it)",
         default=True,
@@ -467,7 +476,7 @@ class ServerConfig:
 
     @property
     def nvme_size_bytes(self) -> int:
-        return parse_size(self.nvme_size)
+        return parse_size(self.nvme_size) if self.nvme_size.strip() else 0
 
     def check(self) -> None:
         _check_fields(self)
@@ -490,6 +499,11 @@ class ServerConfig:
             )
         if nvme and not self.nvme_path:
             raise ConfigError("server.nvme_size needs server.nvme_path (--nvme-path DIR)")
+        if self.nvme_path and not self.nvme_size.strip():
+            raise ConfigError(
+                f"server.nvme_path ({self.nvme_path}) needs server.nvme_size: give the "
+                "tier a size (--nvme-size 64GiB), or --nvme-size 0 to run without one"
+            )
         try:
             staging = self.staging_size_bytes
         except ConfigError as exc:

@@ -285,7 +285,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("server_id", "address", "alive", "capacity", "used", "objects", "counters", "heartbeat_age_s", "shm_path")
+    __slots__ = ("server_id", "address", "alive", "capacity", "used", "objects", "counters", "heartbeat_age_s", "shm_path", "nvme_capacity", "nvme_used", "nvme_objects", "demotions", "demotions_in_flight", "dropped_not_demoted")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,12 @@ class ServerStats(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    NVME_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    NVME_USED_FIELD_NUMBER: _ClassVar[int]
+    NVME_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_NOT_DEMOTED_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     alive: bool
@@ -304,7 +310,13 @@ class ServerStats(_message.Message):
     counters: ServerCounters
     heartbeat_age_s: float
     shm_path: str
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., shm_path: _Optional[str] = ...) -> None: ...
+    nvme_capacity: int
+    nvme_used: int
+    nvme_objects: int
+    demotions: int
+    demotions_in_flight: int
+    dropped_not_demoted: int
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Union[ServerCounters, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., shm_path: _Optional[str] = ..., nvme_capacity: _Optional[int] = ..., nvme_used: _Optional[int] = ..., nvme_objects: _Optional[int] = ..., demotions: _Optional[int] = ..., demotions_in_flight: _Optional[int] = ..., dropped_not_demoted: _Optional[int] = ...) -> None: ...
 
 class GetStatsReply(_message.Message):
     __slots__ = ("servers", "counters", "namespaces", "role", "leader", "epoch")

@@ -337,7 +337,8 @@ class LocalDeployment:
 
     def _nvme_args(self, i: int) -> list[str]:
         if self.nvme_size in ("", "0"):
-            return []
+            # Said, so an inherited GCACHE_SERVER_NVME_PATH cannot ask for a tier.
+            return ["--nvme-size", "0"]
         return ["--nvme-size", self.nvme_size, "--nvme-path", str(self.nvme_dir(i))]
 
     def nvme_dir(self, i: int) -> Path:

@@ -36,7 +36,9 @@ def up_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> 
     GCACHE_META_METRICS_PORT, GCACHE_SERVER_PORT), else the defaults; every value
     is checked as the daemons check it, so a bad one fails in one line naming it."""
     meta = load(MetaConfig, env=env)
-    server = load(ServerConfig, env=env)
+    # gcache up gives each server its NVMe tier (--nvme-size, under --data-dir): the
+    # environment's nvme_* settings are not used, so they cannot fail here.
+    server = load(ServerConfig, env=env, overrides={"nvme_path": "", "nvme_size": "0"})
     flags = {"host": meta.host, "meta_port": meta.port, "grpc_port": meta.grpc_port}
     flags |= {"metrics_port": meta.metrics_port, "server_port": server.port}
     for name, value in flags.items():
@@ -118,8 +120,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"  meta hot path   {d.meta_addr}")
         print(f"  meta gRPC       {d.meta_grpc}")
         print(f"  metrics         {d.metrics_url}")
-        for s in d.servers:
-            print(f"  {s.name:<15} {s.host}:{s.port}  ({args.capacity} DRAM segment)")
+        nvme = args.nvme_size not in ("", "0")
+        for i, s in enumerate(d.servers):
+            tier = f", {args.nvme_size} NVMe tier in {d.nvme_dir(i).resolve()}" if nvme else ""
+            print(f"  {s.name:<15} {s.host}:{s.port}  ({args.capacity} DRAM segment{tier})")
+        for line in _banner_tier(d):
+            print("  " + line)
         if args.router:
             from gcache.cli.fleet import up_router
 
@@ -172,6 +178,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             driver.remove_state()
         print(f"stopped: {_codes(codes)}", flush=True)
     return 0 if stop["signal"] != -1 else 1
+
+
+def _banner_tier(d: LocalDeployment) -> list[str]:
+    """The NVMe tier lines of ``gcache up``'s banner, from the meta (a restarted
+    deployment's tiers hold what they held)."""
+    try:
+        return tier_lines(d.stats(), detail=False)
+    except GCacheError as exc:
+        return [f"NVMe tier    not known: {one_line(exc)}"]
 
 
 class _Interrupted(Exception):
@@ -295,6 +310,70 @@ def print_status(reply: Any) -> None:
             f"{int(c.get('hotpath_connections_send_timeouts', 0))} send timeouts, "
             f"{int(c.get('hotpath_protocol_errors', 0))} protocol errors"
         )
+    for line in tier_lines(reply):
+        print(line)
+
+
+_TIER_HEAD = (
+    f"{'NVMe tier':<12} {'size':>11} {'used':>11} {'used%':>6} {'objects':>8} "
+    f"{'demotions':>10} {'in flight':>10} {'dropped':>8}"
+)
+
+
+def _tier_row(name: str, size: float, used: float, objects: float, done: float,
+              flight: float, dropped: float) -> str:  # fmt: skip
+    if not size:  # a server without a tier: what leaves its DRAM is dropped
+        dashes = f"{'-':>11} {'-':>6} {'-':>8} {'-':>10} {'-':>10}"
+        return f"{name:<12} {'none':>11} {dashes} {int(dropped):>8}"
+    return (
+        f"{name:<12} {_fmt_bytes(size):>11} {_fmt_bytes(used):>11} {used / size:>6.1%} "
+        f"{int(objects):>8} {int(done):>10} {int(flight):>10} {int(dropped):>8}"
+    )
+
+
+def tier_lines(reply: Any, detail: bool = True) -> list[str]:
+    """The NVMe tier per server and in total: size, used (objects plus demotions in
+    flight), objects, demotions finished and in flight, and ``dropped``: objects
+    that left DRAM with no NVMe copy (``dropped_not_demoted``). A server's row
+    counts since it registered; the total row's demotions and drops are the meta's
+    counters since it started. ``detail``: a line with the drops' reasons and how
+    often demotion was behind (``gcache status``)."""
+    servers = list(reply.servers)
+    c = dict(reply.counters)
+    if not any(s.nvme_capacity for s in servers):
+        return [
+            "NVMe tier    none: what leaves DRAM is dropped (gcache up --nvme-size SIZE; "
+            "gcache-server --nvme-path DIR --nvme-size SIZE)"
+        ]
+    lines = [_TIER_HEAD]
+    for s in servers:
+        lines.append(
+            _tier_row(s.server_id, s.nvme_capacity, s.nvme_used, s.nvme_objects, s.demotions,
+                      s.demotions_in_flight, s.dropped_not_demoted)
+        )  # fmt: skip
+    live = [s for s in servers if s.alive]
+    lines.append(
+        _tier_row(
+            "total",
+            sum(s.nvme_capacity for s in live),
+            sum(s.nvme_used for s in live),
+            sum(s.nvme_objects for s in live),
+            c.get("demotions_done", sum(s.demotions for s in servers)),
+            sum(s.demotions_in_flight for s in live),
+            c.get("dropped_not_demoted", sum(s.dropped_not_demoted for s in servers)),
+        )
+    )
+    if detail and "dropped_no_tier" in c:
+        lines.append(
+            f"dropped: {int(c['dropped_not_demoted'])} left DRAM with no NVMe copy "
+            f"(tier off or paused {int(c['dropped_no_tier'])}, tier short of room and "
+            f"not worth a disk write {int(c['dropped_not_worth'])}, tier full "
+            f"{int(c['dropped_tier_full'])}, put could not wait "
+            f"{int(c['dropped_put_could_not_wait'])}); demotion behind "
+            f"{int(c.get('demotion_behind', 0))} times, puts that waited for it "
+            f"{int(c.get('demotion_behind_waits', 0))}"
+        )
+    return lines
 
 
 def resolve_grpc(meta_grpc: str) -> str:

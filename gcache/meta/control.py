@@ -513,6 +513,12 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                     counters=pb.ServerCounters(**s.counters),
                     heartbeat_age_s=now - s.last_seen,
                     shm_path=s.addr.shm_path,
+                    nvme_capacity=s.nvme_capacity,
+                    nvme_used=s.nvme_bytes,
+                    nvme_objects=len(s.nvme_objects),
+                    demotions=s.demoted,
+                    demotions_in_flight=len(s.demoting),
+                    dropped_not_demoted=s.dropped,
                 )
             )
         stats = self.core.stats()

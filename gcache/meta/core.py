@@ -121,6 +121,12 @@ COUNTERS = (
     "demotions_ahead",
     "puts_told_to_wait",
     "puts_waited",
+    "demotion_behind",
+    "demotion_behind_waits",
+    "dropped_no_tier",
+    "dropped_not_worth",
+    "dropped_tier_full",
+    "dropped_put_could_not_wait",
     # the removal feed (meta/events.py)
     "removals_recorded",
     "removals_delivered",

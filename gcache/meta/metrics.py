@@ -63,9 +63,21 @@ def render(
         "gcache_server_objects": lambda s: s.objects,
         "gcache_server_heartbeat_age_seconds": lambda s: now - s.last_seen,
         "gcache_server_fragmentation": lambda s: s.allocator.stats()["fragmentation"],
+        "gcache_server_nvme_capacity_bytes": lambda s: s.nvme_capacity,
+        "gcache_server_nvme_used_bytes": lambda s: s.nvme_bytes,
+        "gcache_server_nvme_objects": lambda s: len(s.nvme_objects),
+        "gcache_server_demotions_in_flight": lambda s: len(s.demoting),
     }
     for metric, get in per_server.items():
         lines.append(f"# TYPE {metric} gauge")
+        for s in core.servers.values():
+            lines.append(f'{metric}{{server="{s.server_id}"}} {float(get(s))}')
+    per_server_counters: dict[str, Callable[[ServerRecord], float]] = {
+        "gcache_server_demotions_total": lambda s: s.demoted,
+        "gcache_server_dropped_not_demoted_total": lambda s: s.dropped,
+    }
+    for metric, get in per_server_counters.items():
+        lines.append(f"# TYPE {metric} counter")
         for s in core.servers.values():
             lines.append(f'{metric}{{server="{s.server_id}"}} {float(get(s))}')
     lines.append("# TYPE gcache_server_ops_total counter")

@@ -24,15 +24,20 @@ class Budget:
 
     ``wait``: the put may wait for room that demotions in flight will free instead
     of evicting worth-keeping objects (the hot path's puts, see ``PutWait``);
-    ``busy`` counts its objects that found no room for that reason."""
+    ``busy`` counts its objects that found no room for that reason; ``behind``:
+    making room for the object being placed found demotion behind on a server (the
+    bound of demotions in flight reached with objects the tier has room for), so
+    room is on its way there too; ``behind_waits``: objects that waited for that."""
 
-    __slots__ = ("alloc", "busy", "evict", "wait")
+    __slots__ = ("alloc", "behind", "behind_waits", "busy", "evict", "wait")
 
     def __init__(self, alloc: int = UNBOUNDED, evict: int = UNBOUNDED, wait: bool = False) -> None:
         self.alloc = alloc
         self.evict = evict
         self.wait = wait
         self.busy = 0
+        self.behind = False
+        self.behind_waits = 0
 
 
 def balance_key(srv: ServerRecord) -> tuple[float, int]:
@@ -121,6 +126,8 @@ class Placement:
             for _, _, srv, off, _ in placed:
                 srv.allocator.free(off)
             self.counters["puts_told_to_wait"] += 1
+            if budget.behind_waits:
+                self.counters["demotion_behind_waits"] += 1
             raise PutWait(f"DRAM full: {budget.busy} objects wait for demotions in flight")
         self.counters["puts_begun"] += 1
         self.counters["objects_no_space"] += no_space
@@ -235,6 +242,7 @@ class Placement:
             off = srv.allocator.alloc(size)
             if off is not None:
                 return srv, off
+        budget.behind = False
         for srv in order:
             if budget.evict <= 0:
                 break
@@ -242,6 +250,9 @@ class Placement:
             off = srv.allocator.alloc(size)
             if off is not None:
                 return srv, off
-        if budget.wait and any(s.demoting_bytes >= size for s in order):
+        if budget.wait and budget.behind:
+            budget.busy += 1  # demotion is behind: the put waits for it (place)
+            budget.behind_waits += 1
+        elif budget.wait and any(s.demoting_bytes >= size for s in order):
             budget.busy += 1  # room is on its way: the put waits instead (place)
         return None

@@ -189,10 +189,12 @@ class ServerRecord:
         "deferred_bytes",
         "demote_out",
         "demote_paused_until",
+        "demoted",
         "demoting",
         "demoting_bytes",
         "dram_read_gbps",
         "drop_out",
+        "dropped",
         "freed",
         "grant_epoch",
         "incarnation",
@@ -273,6 +275,10 @@ class ServerRecord:
         self.demote_out: list[tuple[ObjectRecord, NamespaceRecord]] = []  # copy to NVMe
         self.demoting_bytes = 0
         self.demote_paused_until = 0.0  # after a failed demotion: drop instead
+        # Objects of this server demoted (finished) / dropped with no NVMe copy while
+        # demotion is on (dropped_not_demoted), for the status table.
+        self.demoted = 0
+        self.dropped = 0
         # Promotions (NVMe -> DRAM): DRAM offset -> (object, namespace) in flight, the
         # commands not sent yet, and the DRAM bytes allocated to them.
         self.promoting: dict[int, tuple[ObjectRecord, NamespaceRecord]] = {}

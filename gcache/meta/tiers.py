@@ -5,19 +5,32 @@ reported by the servers, the outboxes of each server's next heartbeat reply, and
 placement's balance between free space and recent write load. No I/O; ``now``
 comes from the caller.
 
-The rule for a DRAM object leaving DRAM (in the DRAM policy's order):
+The rule for a DRAM object leaving DRAM (in the DRAM policy's order), on its
+own server (:meth:`Tiers._leaving`):
 
-* demote it when its server has an NVMe tier with room (below the NVMe high
-  watermark after evicting down to the low one), fewer than
-  ``max_demotions_in_flight`` demotions are pending there, no demotion failed there
-  in the last ``DEMOTE_PAUSE_S``, and it is worth a disk write: recomputing its
-  block takes at least ``demote_min_gain`` times as long as reading it back from
-  NVMe at the server's measured bandwidth (recompute FLOPs from the compute model
-  of docs/eviction.md at ``compute_tflops``; a model of unknown cost is always
-  worth it). A block with cached descendants is always worth it (they need it).
-  Under the cost policy an object that serves no match (score ``ZERO``) is never
-  worth it;
-* otherwise drop it.
+* no NVMe tier that takes demotions now (none, the server not alive or its report
+  incomplete, a demotion failed there in the last ``DEMOTE_PAUSE_S``): drop it
+  (``dropped_no_tier``);
+* the tier has room for it (its NVMe bytes, demotions in flight included, stay at
+  or below the NVMe low watermark with it): demote it, whatever it is worth;
+* the tier is short of room: demote it only if it is worth a disk write
+  (``meta/worth.py``: recomputing its block takes at least ``demote_min_gain``
+  times as long as reading it back from NVMe, or cached descendants need it),
+  evicting NVMe objects down to the low watermark to make room for it; else drop
+  it (``dropped_not_worth``, or ``dropped_tier_full`` when the tier cannot be made
+  room in);
+* an object it would demote while ``max_demotions_in_flight`` demotions are
+  pending on its server is not dropped: demotion is behind. A watermark pass stops
+  there (``demotion_behind``: DRAM stays above its watermark a while) and a put
+  that needs the room waits for the demotions in flight (``PutWait``,
+  ``demotion_behind_waits``).
+
+``dropped_not_demoted`` counts every object that left DRAM for room with no copy
+on NVMe while demotion is on: the drops above, and what a put that could not wait
+(any more) evicted (``dropped_put_could_not_wait``, or ``dropped_no_tier`` on a
+server whose tier takes no demotions); the four ``dropped_*`` reasons add up to
+it. Each server counts its own (``ServerRecord.dropped``, ``demoted``) for the
+status table.
 
 A demotion pins the object (it stays readable from DRAM, and nothing reuses its
 range) until the server reports it done; only then is the index switched to the
@@ -30,13 +43,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gcache.config import MetaConfig
-from gcache.meta.eviction import (
-    UNIT_COMPUTE,
-    ZERO,
-    CostPolicy,
-    ModelCompute,
-    compute_for_layout,
-)
 from gcache.meta.index import LEAVING_DRAM, Index
 from gcache.meta.placement import Budget, evict_room
 from gcache.meta.records import (
@@ -47,9 +53,8 @@ from gcache.meta.records import (
     ObjectRecord,
     ServerRecord,
 )
+from gcache.meta.worth import Worth
 
-# Assumed NVMe read bandwidth of a server that reported none (GB/s).
-DEFAULT_NVME_READ_GBPS = 2.0
 # After a failed demotion on a server, drop instead of demoting there for this long.
 DEMOTE_PAUSE_S = 10.0
 # Items per heartbeat reply, at most (a reply stays well inside gRPC's 4 MiB).
@@ -63,6 +68,17 @@ MAX_PROMOTIONS_IN_FLIGHT = 1024
 # wait for the high watermark, where they are dropped).
 SKIP_AHEAD = 64
 PROMOTING = -1  # ObjectRecord.hits of an object being promoted
+
+# What the rule says of a DRAM object leaving DRAM (Tiers._leaving): demote it,
+# leave it for now (demotion is behind), or drop it for one of these reasons (each
+# also a counter; together they make up ``dropped_not_demoted``).
+DEMOTE = "demote"
+BEHIND = "behind"
+NO_TIER = "dropped_no_tier"
+NOT_WORTH = "dropped_not_worth"
+TIER_FULL = "dropped_tier_full"
+PUT_COULD_NOT_WAIT = "dropped_put_could_not_wait"
+DROP_REASONS = (NO_TIER, NOT_WORTH, TIER_FULL, PUT_COULD_NOT_WAIT)
 
 
 @dataclass
@@ -119,7 +135,8 @@ class Tiers:
         self.counters = counters
         self.index = index
         self.now_s = 0.0  # the latest ``now`` seen (tick, heartbeat): demotion pauses
-        self._compute: dict[int, ModelCompute] = {}
+        self.worth = Worth(cfg, index)  # the value side of the rule
+        self.recompute_s = self.worth.recompute_s
         self._evict_room = evict_room(index)
 
     # ---- DRAM watermark: demote or drop --------------------------------------------
@@ -142,41 +159,56 @@ class Tiers:
 
     def demote_or_drop(self, srv: ServerRecord, target_used: int) -> int:
         """Take DRAM objects in the policy's store-wide order until ``srv``'s
-        reclaimable usage is at most ``target_used``: each is demoted on its own
-        server if worth it there, else dropped. Returns the bytes that left (or are
-        leaving) DRAM."""
+        reclaimable usage is at most ``target_used``: each is demoted or dropped by
+        :meth:`_leaving`. One whose server is behind (``max_demotions_in_flight``
+        pending) is neither: it stays, and the pass stops once ``srv`` itself is
+        behind (``demotion_behind``). Returns the bytes that left (or are leaving)
+        DRAM."""
         moved = 0
         limit = srv.allocator.capacity
+        held: list[tuple[ObjectRecord, NamespaceRecord]] = []
         for obj, ns in self.index.policy.candidates(srv):
-            if self._worth_demoting(obj, ns):
+            why = self._leaving(obj, ns)
+            if why == DEMOTE:
                 self._demote(obj, ns)
                 moved += obj.length
+            elif why == BEHIND:
+                held.append((obj, ns))
+                if obj.server is srv or len(held) >= SKIP_AHEAD:
+                    self.counters["demotion_behind"] += 1
+                    break
+                continue
             else:
-                moved += self.index.drop(obj, ns)
-                self.counters["dropped_not_demoted"] += 1
+                moved += self._drop(obj, ns, why)
             if srv.reclaimable_used <= target_used or moved >= limit:
                 break
+        for obj, ns in held:  # popped from the policy's order: back in it
+            self.index.policy.unpinned(obj, ns)
         return moved
 
     def _demote_ahead(self, srv: ServerRecord, target_used: int) -> int:
         """Continuous demotion (between ``demote_watermark`` and the high watermark):
-        demote DRAM objects worth a disk write, in the policy's order, until
+        demote DRAM objects in the policy's order as :meth:`_leaving` says, until
         ``srv``'s reclaimable usage is at most ``target_used``, so the server's disk
-        has a batch queued while puts arrive. Nothing is dropped here: objects not
-        worth a disk write (at most ``SKIP_AHEAD`` of them per call) are put back
-        in the policy's order and wait for the high watermark; the scan stops at
-        the first object that cannot be demoted now (bound of demotions in flight,
-        NVMe full, a pause after a failure). Returns the bytes being demoted."""
+        has a batch queued while puts arrive. Nothing is dropped here: objects it
+        would drop (not worth a disk write while the tier is short of room; at most
+        ``SKIP_AHEAD`` of them per call) are put back in the policy's order and wait
+        for the high watermark; the scan stops at the first object that cannot be
+        demoted now (bound of demotions in flight, NVMe full, a pause after a
+        failure). Returns the bytes being demoted."""
+        if not self._tier_open(srv):
+            return 0
         moved = 0
         limit = srv.allocator.capacity
         skipped: list[tuple[ObjectRecord, NamespaceRecord]] = []
         for obj, ns in self.index.policy.candidates(srv):
-            if not self._worth_a_disk_write(obj, ns):
+            why = self._leaving(obj, ns)
+            if why == NOT_WORTH:
                 skipped.append((obj, ns))
                 if len(skipped) >= SKIP_AHEAD:
                     break
                 continue
-            if not self._can_demote(obj):
+            if why != DEMOTE:
                 skipped.append((obj, ns))
                 break
             self._demote(obj, ns)
@@ -190,51 +222,118 @@ class Tiers:
 
     def make_room(self, srv: ServerRecord, size: int, budget: Budget) -> int:
         """A put's object does not fit on ``srv``. While the put may wait
-        (``budget.wait``) and ``srv`` can demote: objects not worth a disk write are
-        dropped at once, worth-keeping ones are demoted (not dropped) until the
-        demotions in flight on ``srv`` cover ``size``; placement then asks the put
-        to wait for them (``Budget.busy``). Otherwise, or when demoting cannot make
-        the room (NVMe full, a failure pause, the bound of demotions in flight
-        reached with too little in flight), the objects are evicted as before.
-        Returns the bytes dropped (against ``budget.evict``)."""
-        if not (budget.wait and self.cfg.demote and self._tier_open(srv)):
+        (``budget.wait``) and ``srv``'s tier takes demotions: objects are demoted or
+        dropped as :meth:`_leaving` says until the demotions in flight on ``srv``
+        cover ``size``; placement then asks the put to wait for them
+        (``Budget.busy``). Where demotion is behind (the bound of demotions in
+        flight reached) the put waits too (``Budget.behind``) rather than drop
+        objects the tier has room for. Otherwise, or when demoting cannot make the
+        room (NVMe full, a failure pause), the objects are evicted as before, each
+        counted as dropped (``dropped_put_could_not_wait``, or ``dropped_no_tier``
+        where its server's tier takes no demotions). Returns the bytes dropped
+        (against ``budget.evict``)."""
+        if not self.cfg.demote:
             return self._evict_room(srv, size, budget)
+        if not (budget.wait and self._tier_open(srv)):
+            return self._evict_for_put(srv, size, budget.evict)
         dropped = 0
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
         allocator = srv.allocator
         for obj, ns in self.index.policy.candidates(srv):
-            if not self._worth_a_disk_write(obj, ns):
-                dropped += self.index.drop(obj, ns)
-                self.counters["dropped_not_demoted"] += 1
-                if allocator.largest_free() >= size or dropped >= budget.evict:
-                    break
-                continue
-            if srv.demoting_bytes >= size or not self._can_demote(obj):
+            covered = srv.demoting_bytes >= size  # no NVMe room made for a demotion then
+            why = self._leaving(obj, ns, make_nvme_room=not covered)
+            if why in (DEMOTE, BEHIND) and covered:
                 held.append((obj, ns))  # wait for the demotions in flight instead
                 break
-            self._demote(obj, ns)
+            if why == DEMOTE:
+                self._demote(obj, ns)
+                continue
+            if why == BEHIND:
+                held.append((obj, ns))
+                if obj.server is srv or len(held) >= SKIP_AHEAD:
+                    budget.behind = True
+                    break
+                continue
+            dropped += self._drop(obj, ns, why)
+            if allocator.largest_free() >= size or dropped >= budget.evict:
+                break
         for obj, ns in held:
             self.index.policy.unpinned(obj, ns)
         left = budget.evict - dropped
-        if allocator.largest_free() < size and srv.demoting_bytes < size and left > 0:
+        room_coming = srv.demoting_bytes >= size or budget.behind
+        if allocator.largest_free() < size and not room_coming and left > 0:
             # Nothing in flight will make this room: evict as a put always did.
-            dropped += self._evict_room(srv, size, Budget(budget.alloc, left))
+            dropped += self._evict_for_put(srv, size, left)
         return dropped
 
-    def _compute_of(self, ns: NamespaceRecord) -> ModelCompute:
-        c = self._compute.get(ns.ns_id)
-        if c is None:
-            c = self._compute[ns.ns_id] = compute_for_layout(ns.layout)
-        return c
+    def _evict_for_put(self, srv: ServerRecord, size: int, max_bytes: int) -> int:
+        """Evict in the policy's order until ``size`` bytes fit on ``srv`` (a put
+        that cannot wait for demotions, or ``srv``'s tier takes none), counting what
+        goes as dropped: ``dropped_no_tier`` where that tier takes no demotions,
+        else ``dropped_put_could_not_wait``. Candidates on other servers (the order
+        is store-wide: they make room here by making their parents leaves) follow
+        :meth:`_leaving`; those whose server is behind are passed over, at most
+        ``SKIP_AHEAD`` of them."""
+        evicted = 0
+        allocator = srv.allocator
+        held: list[tuple[ObjectRecord, NamespaceRecord]] = []
+        for obj, ns in self.index.policy.candidates(srv):
+            why = PUT_COULD_NOT_WAIT if self._tier_open(obj.server) else NO_TIER
+            if obj.server is not srv:
+                why = self._leaving(obj, ns)
+                if why == DEMOTE:
+                    self._demote(obj, ns)
+                    continue
+                if why == BEHIND and len(held) < SKIP_AHEAD:
+                    held.append((obj, ns))
+                    continue
+                if why == BEHIND:
+                    why = PUT_COULD_NOT_WAIT
+            evicted += self._drop(obj, ns, why)
+            if allocator.largest_free() >= size or evicted >= max_bytes:
+                break
+        for obj, ns in held:  # popped from the policy's order: back in it
+            self.index.policy.unpinned(obj, ns)
+        return evicted
 
-    def recompute_s(self, ns: NamespaceRecord, pos: int) -> float:
-        """Seconds to recompute block ``pos`` of a prompt at ``compute_tflops``."""
-        bs = ns.layout.block_size
-        flops = self._compute_of(ns).span(pos * bs, (pos + 1) * bs)
-        return flops / (self.cfg.compute_tflops * 1e12)
+    def _drop(self, obj: ObjectRecord, ns: NamespaceRecord, why: str) -> int:
+        """Drop a DRAM object leaving DRAM with no NVMe copy, counted with its
+        reason. Returns the bytes that left the index."""
+        c = self.counters
+        c["dropped_not_demoted"] += 1
+        c[why] += 1
+        obj.server.dropped += 1
+        return self.index.drop(obj, ns)
 
-    def _worth_demoting(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
-        return self._worth_a_disk_write(obj, ns) and self._can_demote(obj)
+    def _leaving(self, obj: ObjectRecord, ns: NamespaceRecord, make_nvme_room: bool = True) -> str:
+        """The rule (module docstring) for DRAM object ``obj`` leaving DRAM:
+        ``DEMOTE``, ``BEHIND`` (it would be demoted, but its server has
+        ``max_demotions_in_flight`` pending: neither demote nor drop it now), or
+        the reason to drop it (``NO_TIER``, ``NOT_WORTH``, ``TIER_FULL``).
+        ``make_nvme_room``: evict NVMe objects for one worth it past the NVMe high
+        watermark (else say ``DEMOTE`` for it without: the caller will not demote
+        it now)."""
+        srv = obj.server
+        cfg = self.cfg
+        if not (cfg.demote and self._tier_open(srv)):
+            return NO_TIER
+        room = self.has_room(srv, obj.length)
+        if not room and not self.worth.a_disk_write(obj, ns):
+            return NOT_WORTH
+        if len(srv.demoting) >= cfg.max_demotions_in_flight:
+            return BEHIND
+        if not room and make_nvme_room:
+            high = cfg.nvme_high_watermark * srv.nvme_capacity
+            if srv.nvme_bytes + obj.length > high:
+                self._evict_nvme(srv, int(cfg.nvme_low_watermark * srv.nvme_capacity))
+                if srv.nvme_bytes + obj.length > high:
+                    return TIER_FULL
+        return DEMOTE
+
+    def has_room(self, srv: ServerRecord, length: int) -> bool:
+        """``srv``'s NVMe tier holds at most its low watermark with ``length`` more
+        bytes (demotions in flight count): everything demotable is demoted."""
+        return srv.nvme_bytes + length <= self.cfg.nvme_low_watermark * srv.nvme_capacity
 
     def _tier_open(self, srv: ServerRecord) -> bool:
         """``srv`` takes demotions now: an NVMe tier, alive, its report complete, and
@@ -245,38 +344,6 @@ class Tiers:
             and srv.ready
             and self.now_s >= srv.demote_paused_until
         )
-
-    def _can_demote(self, obj: ObjectRecord) -> bool:
-        """``obj``'s server can take its demotion now: :meth:`_tier_open`, fewer
-        than ``max_demotions_in_flight`` in flight, and room on its NVMe tier (below
-        the NVMe high watermark after evicting down to the low one)."""
-        srv = obj.server
-        cfg = self.cfg
-        if not self._tier_open(srv) or len(srv.demoting) >= cfg.max_demotions_in_flight:
-            return False
-        high = cfg.nvme_high_watermark * srv.nvme_capacity
-        if srv.nvme_bytes + obj.length > high:
-            self._evict_nvme(srv, int(cfg.nvme_low_watermark * srv.nvme_capacity))
-            if srv.nvme_bytes + obj.length > high:
-                return False
-        return True
-
-    def _worth_a_disk_write(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
-        """The value side of the rule: recomputing ``obj``'s block takes at least
-        ``demote_min_gain`` times as long as reading it back from NVMe, or its
-        cached descendants need it."""
-        srv = obj.server
-        cfg = self.cfg
-        if obj.group != ns.full_group or obj.entry.children == 0:
-            # Not a block whose cached descendants need it: judge it by value.
-            if isinstance(self.index.policy, CostPolicy) and obj.score <= ZERO / 2:
-                return False  # it serves no match as things stand
-            gbps = srv.nvme_read_gbps or DEFAULT_NVME_READ_GBPS
-            read_s = obj.length / (gbps * 1e9)
-            known = self._compute_of(ns) is not UNIT_COMPUTE  # unknown: keep what fits
-            if known and self.recompute_s(ns, obj.entry.pos) < cfg.demote_min_gain * read_s:
-                return False
-        return True
 
     def _demote(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         """Ask ``obj``'s server to copy it to NVMe. The object stays readable from
@@ -351,6 +418,7 @@ class Tiers:
             self.index.free_object(obj)
         c["demotions_done"] += 1
         c["demoted_bytes"] += length
+        srv.demoted += 1
         return None
 
     def nvme_lost(self, srv: ServerRecord, ranges: list[tuple[int, int]]) -> int:

@@ -147,6 +147,8 @@ class TierState:
                     nvme.scan_s,
                     "" if nvme.direct else " (buffered: O_DIRECT refused)",
                 )
+            elif cfg.nvme_path:
+                log.info("NVMe tier off (nvme_size 0): %s is not used", cfg.nvme_path)
         except BaseException:
             if nvme is not None:
                 nvme.close()

@@ -137,6 +137,18 @@ def test_server_bad_settings_one_line(args: list[str], key: str) -> None:
     assert line.startswith("gcache-server: ") and key in line, line
 
 
+def test_server_nvme_path_without_size_one_line(tmp_path: Path) -> None:
+    """``--nvme-path`` without ``--nvme-size`` started a server with no NVMe tier,
+    silently; now it stops it in one line that names the fix. Nothing is made."""
+    nvme = tmp_path / "nvme"
+    out = script("gcache-server", "--port", "0", "--nvme-path", str(nvme))
+    assert out.returncode == 2, out.stderr
+    line = one_line(out.stderr)
+    assert line.startswith(f"gcache-server: server.nvme_path ({nvme}) needs server.nvme_size")
+    assert "--nvme-size 64GiB" in line and "--nvme-size 0" in line, line
+    assert not nvme.exists()
+
+
 # ---- listeners: exit 1, one line naming the address and the setting -------------------
 
 
@@ -304,6 +316,12 @@ def test_status_binary_units(running: LocalDeployment) -> None:
     assert "16.0 MiB" in out.stdout  # the capacity
     assert not re.search(r"\d (KB|MB|GB|TB)\b", out.stdout), out.stdout
     assert "tcp reads" in out.stdout and "leased to readers" in out.stdout
+
+
+def test_status_says_when_there_is_no_nvme_tier(running: LocalDeployment) -> None:
+    out = script("gcache", "status", "--meta-grpc", running.meta_grpc)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^NVMe tier +none: what leaves DRAM is dropped", out.stdout, re.M), out.stdout
 
 
 @pytest.mark.parametrize(

@@ -272,6 +272,34 @@ def test_server_and_client_checks() -> None:
         ClientConfig(max_inflight_writes=0).check()
 
 
+def test_nvme_path_without_nvme_size_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """``--nvme-path`` alone used to start the server with no tier, silently: now it
+    stops it with one line that says what to add. ``--nvme-size 0`` says so on
+    purpose: no tier, the path unused."""
+    want = "server.nvme_path (/nvme/gcache) needs server.nvme_size"
+    fix = "--nvme-size 64GiB), or --nvme-size 0"
+    errors = []
+    for how in (
+        lambda: ServerConfig(nvme_path="/nvme/gcache").check(),
+        lambda: load(ServerConfig, env={"GCACHE_SERVER_NVME_PATH": "/nvme/gcache"}),
+        lambda: load(ServerConfig, env={}, overrides={"nvme_path": "/nvme/gcache"}),
+        # Every daemon checks every section of its file: the meta refuses it too.
+        lambda: load(MetaConfig, _toml(tmp_path, '[server]\nnvme_path = "/nvme/gcache"\n')),
+    ):
+        with pytest.raises(ConfigError) as info:
+            how()
+        errors.append(str(info.value))
+    for text in errors:
+        assert want in text and fix in text and "\n" not in text, text
+    off = load(ServerConfig, env={}, overrides={"nvme_path": "/nvme/gcache", "nvme_size": "0"})
+    assert off.nvme_size_bytes == 0
+    on = load(ServerConfig, env={}, overrides={"nvme_path": "/nvme/gcache", "nvme_size": "2G"})
+    assert on.nvme_size_bytes == 2 << 30
+    assert ServerConfig().nvme_size_bytes == 0 and ServerConfig().nvme_path == ""
+    with pytest.raises(ConfigError, match=r"needs server\.nvme_path"):
+        ServerConfig(nvme_size="2G").check()
+
+
 def test_configs_are_frozen() -> None:
     cfg = MetaConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -109,9 +109,11 @@ def test_demote_watermark_at_the_high_watermark_is_off() -> None:
 
 def test_continuous_demotion_passes_over_objects_not_worth_a_disk_write() -> None:
     # Llama-3-8B blocks (not worth a disk write at 400 TFLOP/s) are older than the
-    # test model's: continuous demotion skips them (they wait for the high
+    # test model's. With the tier short of room (its low watermark, 16 KiB, is
+    # below one of them) continuous demotion skips them (they wait for the high
     # watermark, where they are dropped) and demotes the worth-keeping ones.
-    core, fp = make(capacity=16 * MB, demote_watermark=0.3, compute_tflops=400.0)
+    core, fp = make(capacity=16 * MB, demote_watermark=0.3, compute_tflops=400.0,
+                    nvme_low_watermark=0.001)  # fmt: skip
     llama = core.register_namespace({"model": "llama"}, preset("llama-3-8b", 4)).fingerprint
     for p in range(4):  # 4 x 512 KiB
         put(core, llama, p, float(p))
@@ -132,6 +134,32 @@ def test_demotions_in_flight_are_bounded() -> None:
         put(core, fp, p, float(p))
     assert len(srv.demoting) == 3
     assert core.counters["evictions"] == 0  # waiting, not dropped
+
+
+def test_watermark_pass_stops_at_the_bound_instead_of_dropping() -> None:
+    # Past the high watermark with the bound of demotions in flight (2) reached and
+    # the tier nearly empty: the pass stops there (demotion is behind) and drops
+    # nothing; DRAM stays above its watermark until reports let the next ones go.
+    # It used to drop everything past the bound.
+    core, fp = make(high_watermark=0.5, low_watermark=0.25, demote_watermark=0.9,
+                    max_demotions_in_flight=2)  # fmt: skip
+    srv = core.servers["s0"]
+    for p in range(40):  # 40 of 64 objects: DRAM never full, puts never wait
+        put(core, fp, p, float(p))
+    c = core.counters
+    assert c["demotions_issued"] == 2 and len(srv.demoting) == 2
+    assert c["dropped_not_demoted"] == 0 and c["evictions"] == 0
+    assert c["demotion_behind"] > 0
+    assert srv.reclaimable_used > 0.5 * srv.allocator.capacity
+    server = Server()
+    for i in range(40):  # each report lets the next two go
+        server.beat(core, 50.0 + i * 0.1)
+        if not srv.demoting:
+            break
+    assert srv.reclaimable_used <= 0.5 * srv.allocator.capacity
+    assert c["dropped_not_demoted"] == 0 and c["evictions"] == 0
+    assert c["demotions_done"] == c["demotions_issued"] > 2
+    assert live_objects(core, fp) == 40
 
 
 def test_a_report_gets_the_next_batch_in_the_same_reply() -> None:
@@ -205,9 +233,10 @@ def test_put_that_may_not_wait_evicts_as_before() -> None:
 
 def test_put_drops_objects_not_worth_a_disk_write_at_once() -> None:
     # DRAM full of worth-keeping objects being demoted, and older llama blocks not
-    # worth a disk write: the put drops those at once and does not wait.
+    # worth a disk write while the tier is short of room (its low watermark, 16 KiB,
+    # is below one of them): the put drops those at once and does not wait.
     core, fp = make(capacity=8 * MB, demote_watermark=0.3, high_watermark=1.0,
-                    compute_tflops=400.0)  # fmt: skip
+                    compute_tflops=400.0, nvme_low_watermark=0.001)  # fmt: skip
     llama = core.register_namespace({"model": "llama"}, preset("llama-3-8b", 4)).fingerprint
     for p in range(2):
         put(core, llama, p, float(p))
@@ -217,8 +246,27 @@ def test_put_drops_objects_not_worth_a_disk_write_at_once() -> None:
     assert len(placed.placements) == 1
     c = core.counters
     assert c["dropped_not_demoted"] >= 1 and c["puts_told_to_wait"] == 0
+    assert c["dropped_not_worth"] == c["dropped_not_demoted"]
     assert live_objects(core, llama) < 2
     assert live_objects(core, fp) == before + 1  # no worth-keeping object dropped
+
+
+def test_put_with_tier_room_waits_rather_than_drop_objects_not_worth_a_disk_write() -> None:
+    # The same llama blocks with the tier nearly empty: the value rule does not
+    # judge, they are demoted like the rest and the put waits for the room.
+    core, fp = make(capacity=8 * MB, demote_watermark=0.3, high_watermark=1.0,
+                    compute_tflops=400.0)  # fmt: skip
+    llama = core.register_namespace({"model": "llama"}, preset("llama-3-8b", 4)).fingerprint
+    for p in range(2):
+        put(core, llama, p, float(p))
+    fill_until_full(core, fp)
+    with pytest.raises(PutWait):
+        put(core, fp, 10_000, 100.0, wait=True)
+    c = core.counters
+    assert c["dropped_not_demoted"] == 0 and c["evictions"] == 0
+    assert live_objects(core, llama) == 2
+    srv = core.servers["s0"]
+    assert core.namespaces[llama] in {n for _, n in srv.demoting.values()}
 
 
 def test_put_without_an_nvme_tier_evicts_without_waiting() -> None:
@@ -229,22 +277,68 @@ def test_put_without_an_nvme_tier_evicts_without_waiting() -> None:
     assert core.counters["evictions"] > 0 and core.counters["puts_told_to_wait"] == 0
 
 
-def test_put_waits_only_for_room_the_demotions_in_flight_make() -> None:
-    # In flight: 8 KiB objects. A 2-block put needs one object at a time, so it
-    # waits; an object bigger than everything in flight cannot be helped: evict.
-    core, fp = make(demote_watermark=0.5, high_watermark=1.0, max_demotions_in_flight=1)
-    srv = core.servers["s0"]
-    n = fill_until_full(core, fp)
-    assert srv.demoting_bytes == OBJ
-    with pytest.raises(PutWait):
-        put(core, fp, n, 100.0, wait=True, blocks=2)
-    big = core.register_namespace({"model": "big"}, LayoutSpec(
+def big_namespace(core: MetaCore) -> bytes:
+    """A model whose one-block object (32 KiB) is 4 of the test model's."""
+    return core.register_namespace({"model": "big"}, LayoutSpec(
         block_size=4, dtype="float16",
         layers=(LayerSpec("full", kv_heads=4, k_head_dim=256, v_head_dim=256),),
     )).fingerprint  # fmt: skip
+
+
+def test_put_waits_only_for_room_the_demotions_in_flight_make() -> None:
+    # In flight: 8 KiB objects. A 2-block put needs one object at a time, so it
+    # waits; an object bigger than everything in flight cannot be helped by them,
+    # and with no demotion possible (a failed one paused the tier) nothing else
+    # will come: evict.
+    core, fp = make(demote_watermark=0.5, high_watermark=1.0, max_demotions_in_flight=4)
+    srv = core.servers["s0"]
+    n = fill_until_full(core, fp)
+    assert srv.demoting_bytes == 4 * OBJ
+    with pytest.raises(PutWait):
+        put(core, fp, n, 100.0, wait=True, blocks=2)
+    assert core.counters["demotion_behind_waits"] == 0  # the room is in flight
+    srv.demote_paused_until = 1e9  # no more demotions on this server
+    core.tiers.now_s = 101.0
+    big = big_namespace(core)
     placed = put(core, big, 0, 101.0, wait=True)  # 32 KiB: more than is in flight
     assert len(placed.placements) == 1
     assert core.counters["evictions"] > 0
+    assert core.counters["dropped_no_tier"] > 0
+
+
+def test_put_waits_when_demotion_is_behind() -> None:
+    # The bound of demotions in flight (1) is reached with the tier nearly empty:
+    # an object bigger than what is in flight waits for demotion to catch up
+    # (each finished one lets the next go) instead of dropping objects the tier
+    # has room for. It used to evict.
+    core, fp = make(demote_watermark=0.5, high_watermark=1.0, max_demotions_in_flight=1)
+    srv = core.servers["s0"]
+    fill_until_full(core, fp)
+    assert srv.demoting_bytes == OBJ
+    big = big_namespace(core)
+    with pytest.raises(PutWait):
+        put(core, big, 0, 101.0, wait=True)  # 32 KiB: more than is in flight
+    c = core.counters
+    assert c["demotion_behind_waits"] == 1 and c["puts_told_to_wait"] == 1
+    assert c["evictions"] == 0 and c["dropped_not_demoted"] == 0
+    # Demotion catches up one report at a time; the put goes through without a drop.
+    server = Server()
+    for i in range(40):
+        server.beat(core, 102.0 + i * 0.1)
+        try:
+            placed = put(core, big, 0, 102.05 + i * 0.1, wait=True)
+        except PutWait:
+            continue
+        break
+    else:
+        raise AssertionError("the put never got its room")
+    assert len(placed.placements) == 1
+    assert c["evictions"] == 0 and c["dropped_not_demoted"] == 0
+    # A put that may not wait any longer evicts, and says so.
+    fill_until_full(core, fp)
+    put(core, big, 1, 200.0, wait=False)
+    assert c["dropped_put_could_not_wait"] > 0
+    assert c["dropped_not_demoted"] == c["dropped_put_could_not_wait"]
 
 
 def test_waiting_put_keeps_pinned_and_leased_objects() -> None:

@@ -160,16 +160,45 @@ def test_interior_dram_blocks_demote_once_their_children_are_on_nvme() -> None:
         assert e.hot == want
 
 
-def test_objects_not_worth_a_disk_write_are_dropped() -> None:
+def test_objects_not_worth_a_disk_write_are_demoted_while_the_tier_has_room() -> None:
     # Llama-3-8B with 4-token blocks: 64 GFLOP (0.16 ms at 400 TFLOP/s) to recompute
     # a block, 512 KiB (0.26 ms at 2 GB/s) to read it back: not worth a disk write.
+    # Under the tier's low watermark that does not matter: what leaves DRAM is
+    # demoted (the value rule only judges when the tier is short of room). It used
+    # to be dropped with the 4 MiB tier empty.
     core = MetaCore(MetaConfig(compute_tflops=400.0))
+    srv = core.register_server(addr(0), bytes(16), 1, 8 * MB, 0.0, nvme_capacity=4 * MB)
+    fp = core.register_namespace({"model": "llama"}, preset("llama-3-8b", 4)).fingerprint
+    tier = FakeTier()
+    low = core.cfg.nvme_low_watermark * srv.nvme_capacity
+    c = core.counters
+    first_drop_at = -1.0
+    for p in range(12):
+        put(core, fp, toks(p), float(p))
+        tier.run(core, "s0", p + 0.5)  # sends the demotions
+        tier.run(core, "s0", p + 0.6)  # reports them done
+        if c["dropped_not_demoted"] and first_drop_at < 0:
+            first_drop_at = srv.nvme_bytes
+    room = int(low) // (512 * KB)  # 6 objects
+    assert c["demotions_done"] >= room
+    # Nothing was dropped before the tier was at its low watermark; from there the
+    # value rule judges and drops them (NVMe keeps what it holds).
+    assert first_drop_at > low - 512 * KB
+    assert c["dropped_not_demoted"] == c["dropped_not_worth"] > 0
+    assert srv.nvme_bytes <= core.cfg.nvme_high_watermark * srv.nvme_capacity
+    assert srv.dropped == c["dropped_not_demoted"] and srv.demoted == c["demotions_done"]
+
+
+def test_objects_not_worth_a_disk_write_are_dropped_when_the_tier_is_short() -> None:
+    # The same blocks with a tier whose low watermark is below one object: never
+    # room, so only the value rule judges, and it drops every one.
+    core = MetaCore(MetaConfig(compute_tflops=400.0, nvme_low_watermark=0.001))
     core.register_server(addr(0), bytes(16), 1, 8 * MB, 0.0, nvme_capacity=64 * MB)
     fp = core.register_namespace({"model": "llama"}, preset("llama-3-8b", 4)).fingerprint
     for p in range(12):
         put(core, fp, toks(p), float(p))
     assert core.counters["demotions_issued"] == 0
-    assert core.counters["dropped_not_demoted"] > 0
+    assert core.counters["dropped_not_demoted"] == core.counters["dropped_not_worth"] > 0
     assert core.counters["evictions"] > 0
 
 

@@ -70,11 +70,24 @@ def test_nvme_tier_keeps_what_dram_drops(trace: Trace) -> None:
     assert both["nvme_resident_bytes"] > 0 and both["nvme_evictions"] == 0
 
 
-def test_nothing_is_demoted_that_is_not_worth_a_disk_write(trace: Trace) -> None:
-    # At 1 MB/s a block reads back far slower than it recomputes: the meta drops.
-    slow = replay(trace, "lru", DRAM, Options(nvme_gbps=0.001), nvme_capacity=20 * GB)
-    assert slow["demoted_bytes"] == 0 and slow["dropped_not_demoted"] > 0
-    assert slow["nvme_hit_rate"] == 0
+def test_nothing_is_demoted_that_is_not_worth_a_disk_write_once_the_tier_is_short(
+    trace: Trace,
+) -> None:
+    # At 1 MB/s a block reads back far slower than it recomputes. While the tier has
+    # room (20 GB) that does not matter: what leaves DRAM is demoted, nothing is
+    # dropped (it used to drop everything here).
+    roomy = replay(trace, "lru", DRAM, Options(nvme_gbps=0.001), nvme_capacity=20 * GB)
+    assert roomy["demoted_bytes"] > 0 and roomy["dropped_not_demoted"] == 0
+    assert roomy["nvme_hit_rate"] > 0
+    # A 300 MB tier is soon at its low watermark: from there the meta drops them,
+    # and never deletes NVMe objects to make room for them...
+    cap = 300 * MB
+    slow = replay(trace, "lru", DRAM, Options(nvme_gbps=0.001), nvme_capacity=cap)
+    assert slow["dropped_not_demoted"] > 0 and slow["nvme_evictions"] == 0
+    assert slow["demoted_bytes"] <= MetaConfig.nvme_high_watermark * cap
+    # ...while at 5 GB/s they are worth it, and newer ones push older ones out.
+    fast = replay(trace, "lru", DRAM, Options(nvme_gbps=5.0), nvme_capacity=cap)
+    assert fast["nvme_evictions"] > 0 and fast["demoted_bytes"] > cap
 
 
 def test_nvme_watermarks_delete(trace: Trace) -> None:
