@@ -22,16 +22,26 @@ of them on NVMe. Measured: the rebuild time (first ``RegisterServer`` to the las
 segment: ``--no-populate --no-reserve``, so nothing is written) and a real
 client; every prompt is PUT_BEGIN, SEAL at the server (no bytes move; the
 server's receipt) and PUT_COMMIT, ``--put-qd`` prompts in flight (the loop of
-``gcache.benchtool.ops.populate_index``). Measured: puts (prompts) and blocks per
-second, the meta's RSS per block; then Lookups of whole prompts of each length
-through the meta's hot path (one in flight, no lease unless ``--lease``), and
-the eviction cost: the server's capacity is sized so the fill ends at 85 % of
-it, below the 90 % high watermark; then 4k-token prompts are put until the
-watermark is crossed and the commit that crossed it evicts down to 80 % (LRU,
-no NVMe tier: dropped). Eviction cost per block = (the time of the commits in
-that phase - their count x the phase's median commit) / the blocks that left the
-index, and, from the meta's CPU: (CPU of the phase - its blocks put x the fill's
-CPU per block) / the blocks that left.
+``gcache.benchtool.ops.populate_index``). A real server holds a record of every
+object too (about 950 B each in its process at 1M): where that would not fit in
+memory beside the meta (``--put-server auto``; or ``played``), the server is
+played over real gRPC instead (registered, heartbeating, as ``meta_rebuild``
+plays them) and the bench computes the receipts the server's SEAL would return
+(``capability.receipt`` with the secret it registered): the same frames reach
+the meta's hot path, only the SEAL round trip is gone (the table's ``srv``
+column says which; puts/s is then the meta's rate without a server's). Measured:
+puts (prompts) and blocks per second, the meta's RSS per block; then Lookups of
+whole prompts of each length through the meta's hot path (one in flight, no
+lease unless ``--lease``), and the eviction cost: the server's capacity is sized
+so the fill ends at 85 % of it, below the 90 % high watermark; then 4k-token
+prompts are put until the watermark is crossed (12 % more blocks) and the commit
+that crossed it evicts down to 80 % in one pass (LRU, no NVMe tier: dropped).
+Eviction cost per block, three ways: *burst* = (that commit's time - the phase's
+median commit) / the blocks that left the index (the evict path itself, as the
+client waits for it); *latency* = (the time of all the phase's commits - their
+count x the median) / the blocks that left (with what follows it: the server
+applying the frees); *CPU* = (the meta's CPU over the phase - its blocks put x
+the fill's CPU per block) / the blocks that left.
 
 RSS: ``/proc/PID/status`` VmRSS after the fill minus VmRSS before it (the meta
 started, the namespace registered). ``--profile``: ``py-spy record`` on the meta
@@ -39,7 +49,7 @@ during each fill (if ``py-spy`` is in the virtual environment or on PATH); the
 top functions by own and by total samples are printed and kept in the JSON.
 
 Also a breakdown of where the bytes of one block go: an in-process ``MetaCore``
-of ``--breakdown-blocks`` blocks (``bench/index_memory.py``'s build), each
+of ``--breakdown-blocks`` blocks (filled as ``bench/index_memory.py`` fills one), each
 object reachable from the index sized with ``sys.getsizeof`` rounded up to
 pymalloc's 16 bytes, per kind.
 """
@@ -48,6 +58,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -75,7 +87,7 @@ from bench.meta_rebuild import (
     play,
     rss_kib,
 )
-from gcache import keys, wire
+from gcache import capability, keys, wire
 from gcache._proto import gcache_pb2 as pb
 from gcache._proto import gcache_pb2_grpc as pb_grpc
 from gcache.benchtool.ops import _seal_and_commit
@@ -290,7 +302,28 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
 
 
-async def put_prompt(client: Any, ns: Any, ks: list[bytes], stall_s: float = 30.0) -> float:
+Commit = Any  # async (client, layout, placed, fp, keys) -> None
+
+
+async def commit_played(
+    secret: bytes, client: Any, layout: Layout, placed: Any, fp: bytes, ks: list[bytes]
+) -> None:
+    """PutCommit of every placement with the receipts a server holding ``secret``
+    would have returned for its SEAL (``capability.receipt``): the meta's work is
+    the same as with a real server, no server process holds the records."""
+    done = [
+        (i, bytes(8 * len(layout.group_layers[pl.group]))) for i, pl in enumerate(placed.placements)
+    ]
+    receipts = [
+        capability.receipt(secret, pl.grant.offset, pl.grant.length, pl.grant.expiry_ms)
+        for pl in placed.placements
+    ]
+    await client._meta_call(wire.PutCommit(placed.put_id, done, receipts))
+
+
+async def put_prompt(
+    client: Any, ns: Any, ks: list[bytes], commit: Commit, stall_s: float = 30.0
+) -> float:
     """One prompt through the hot path as ``ops.populate_index`` puts it (PutBegin,
     SEAL at the server for its receipt, PutCommit; again while anything found no
     space). Returns the seconds of the last seal + commit (where a commit that
@@ -303,7 +336,7 @@ async def put_prompt(client: Any, ns: Any, ks: list[bytes], stall_s: float = 30.
         placed = await client._meta_call(wire.PutBegin(ns.fingerprint, ks, masks))
         if placed.placements:
             t0 = time.perf_counter()
-            await _seal_and_commit(client, layout, placed, ns.fingerprint, ks)
+            await commit(client, layout, placed, ns.fingerprint, ks)
             commit_s = time.perf_counter() - t0
             deadline = time.monotonic() + stall_s
         if not placed.no_space:
@@ -313,16 +346,58 @@ async def put_prompt(client: Any, ns: Any, ks: list[bytes], stall_s: float = 30.
         await asyncio.sleep(0.01)
 
 
-async def put_all(client: Any, ns: Any, lists: list[list[bytes]], qd: int) -> list[float]:
+async def put_all(
+    client: Any, ns: Any, lists: list[list[bytes]], qd: int, commit: Commit
+) -> list[float]:
     it = iter(lists)
     times: list[float] = []
 
     async def worker() -> None:
         for ks in it:
-            times.append(await put_prompt(client, ns, ks))
+            times.append(await put_prompt(client, ns, ks, commit))
 
     await asyncio.gather(*(worker() for _ in range(qd)))
     return times
+
+
+async def played_server(target: str, capacity: int, stop: asyncio.Event) -> tuple[bytes, Any]:
+    """Register one server over real gRPC as ``gcache-server`` does (no objects to
+    report) and heartbeat it until ``stop``; returns its secret and the task."""
+    secret = os.urandom(16)
+    ch = grpc.aio.insecure_channel(target)
+    stub = pb_grpc.ControlStub(ch)
+    reg = pb.RegisterServerRequest(
+        server_id="played0", host="127.0.0.1", port=40000, hostname="bench", shm_path="",
+        capacity=capacity, secret=secret, incarnation=7, objects=0,
+    )  # fmt: skip
+    epoch = (await stub.RegisterServer(reg, timeout=60)).epoch
+
+    async def beats() -> None:
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                beat = pb.HeartbeatRequest(server_id="played0", incarnation=7, epoch=epoch)
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await stub.Heartbeat(beat, timeout=120)
+        finally:
+            await ch.close()
+
+    return secret, asyncio.create_task(beats())
+
+
+def choose_put_server(choice: str, blocks: int) -> str:
+    """``auto``: a real server unless the real server's records (about 950 B an
+    object in its process, measured at 1M) with the meta's and this process's
+    would not fit in 3/4 of the memory available now."""
+    if choice != "auto":
+        return choice
+    avail = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    need = blocks * (950 + 800 + 200)
+    return "real" if need < 0.75 * avail else "played"
 
 
 async def lookups(
@@ -360,14 +435,15 @@ def run_puts(
     capacity = -(-int(nbytes / FILL_TO) // 4096) * 4096
     extra_blocks = max(2 * 64, int(0.12 * blocks)) // 64 * 64  # crosses 0.9 from 0.85
     extra = make_prompts({64: extra_blocks // 64}, args.seed + 1)[64]
-    # All prompts, longest first within the fill order: interleave the lengths so
-    # the LRU order (and the eviction phase) is not by length.
+    # Every prompt, the lengths interleaved (shuffled) so the LRU order, hence what
+    # the eviction phase takes, is not by length.
     order = [ks for lists in prompts.values() for ks in lists]
     random.Random(args.seed).shuffle(order)
+    server = choose_put_server(args.put_server, blocks)
     with tempfile.TemporaryDirectory(prefix="gcache-scale-") as tmp:
         dep = LocalDeployment(
             tmp,
-            servers=1,
+            servers=1 if server == "real" else 0,
             capacity=str(capacity),
             metrics_port=-1,
             log_level="warning",
@@ -384,6 +460,20 @@ def run_puts(
             )
 
             async def body() -> dict[str, Any]:
+                stop = asyncio.Event()
+                commit: Commit = _seal_and_commit
+                beating = None
+                if server == "played":
+                    secret, beating = await played_server(dep.meta_grpc, capacity, stop)
+                    commit = functools.partial(commit_played, secret)
+                try:
+                    return await measure(commit)
+                finally:
+                    stop.set()
+                    if beating is not None:
+                        await beating
+
+            async def measure(commit: Commit) -> dict[str, Any]:
                 async with AsyncGCacheClient(cfg) as client:
                     ns = await client.register_namespace(
                         "bench-scale", "mimo-v2-flash", block_size=BS
@@ -393,12 +483,13 @@ def run_puts(
                     spy = Profiler(pid, prof) if prof else None
                     cpu0 = cpu_s(pid)
                     t0 = time.perf_counter()
-                    await put_all(client, ns, order, args.put_qd)
+                    await put_all(client, ns, order, args.put_qd, commit)
                     fill_s = time.perf_counter() - t0
                     fill_cpu = cpu_s(pid) - cpu0
                     top = spy.stop() if spy else {}
                     after = rss_kib(pid)
-                    st = fetch_stats(dep.meta_grpc).counters
+                    server_rss = rss_kib(dep.servers[0].popen.pid)["VmRSS"] if dep.servers else 0
+                    st = fetch_stats(dep.meta_grpc, timeout=120).counters
                     look = {
                         p: await lookups(
                             client, ns.fingerprint, prompts[p // BS], args.lookups, args.lease, 7
@@ -406,14 +497,13 @@ def run_puts(
                         for p in PROMPT_TOKENS
                     }
                     # The eviction phase.
-                    ev0, en0 = int(st.get("evictions", 0)), int(st.get("index_entries", 0))
-                    st1 = fetch_stats(dep.meta_grpc).counters
+                    st1 = fetch_stats(dep.meta_grpc, timeout=120).counters
                     ev0 = int(st1.get("evictions", 0))
                     en0 = int(st1.get("index_entries", 0))
                     cpu1 = cpu_s(pid)
-                    times = await put_all(client, ns, extra, 1)
+                    times = await put_all(client, ns, extra, 1, commit)
                     ev_cpu = cpu_s(pid) - cpu1
-                    st2 = fetch_stats(dep.meta_grpc).counters
+                    st2 = fetch_stats(dep.meta_grpc, timeout=120).counters
                     return {
                         "before": before,
                         "after": after,
@@ -426,6 +516,7 @@ def run_puts(
                         "ev_times": times,
                         "ev_cpu": ev_cpu,
                         "profile": top,
+                        "server_rss": server_rss,
                     }
 
             r = asyncio.run(body())
@@ -445,6 +536,7 @@ def run_puts(
     cpu_per_block = r["fill_cpu"] / blocks
     return {
         "objects": int(st.get("objects", 0)),
+        "server": server,
         "capacity_bytes": capacity,
         "puts": n_puts,
         "put_qd": args.put_qd,
@@ -458,6 +550,7 @@ def run_puts(
         "rss_peak_mib": round(r["after"]["VmHWM"] / 1024, 1),
         "rss_bytes_per_block": round(grown / blocks, 1),
         "rss_bytes_per_object": round(grown / objects, 1),
+        "server_rss_mib": round(r["server_rss"] / 1024, 1),
         "lookup": {str(p): v for p, v in r["lookups"].items()},
         "lookup_lease": args.lease,
         "eviction": {
@@ -467,6 +560,10 @@ def run_puts(
             "commits": len(times),
             "commit_median_ms": round(med * 1e3, 3),
             "commit_max_ms": round(max(times, default=0.0) * 1e3, 1),
+            # the watermark pass is one commit (90 % -> 80 %): the slowest one
+            "us_per_block_burst": (
+                round((max(times) - med) / evb * 1e6, 2) if evb > 0 and times else None
+            ),
             "us_per_block_latency": round(excess / evb * 1e6, 2) if evb > 0 else None,
             "us_per_block_cpu": (
                 round((r["ev_cpu"] - extra_blocks * cpu_per_block) / evb * 1e6, 2)
@@ -620,7 +717,9 @@ def breakdown(n_blocks: int, seed: int) -> dict[str, Any]:
 
     desc, spec = descriptor(BS)
     prompts = make_prompts(plan(n_blocks), seed)
-    core = MetaCore(MetaConfig())
+    # No server heartbeats this core: its commits' outbox (what a heartbeat would
+    # take) must hold them all, or placement pauses (as gcache-bench lookup does).
+    core = MetaCore(MetaConfig(adopt_outbox=max(1 << 16, 4 * n_blocks)))
     core.register_server(wire.ServerAddr("s0", "127.0.0.1", 1, "h", ""), bytes(16), 1, 1 << 60, 0.0)
     ns = core.register_namespace(desc, spec)
     layout = ns.layout
@@ -710,7 +809,7 @@ def run_size(n: int, args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = [f"{p // 1024}k p50/p99 [us]" for p in PROMPT_TOKENS]
-    head = f"{'blocks':>10} {'RSS/block put':>13} {'RSS/block rep':>13} " + " ".join(
+    head = f"{'blocks':>10} {'srv':>6} {'RSS/block put':>13} {'RSS/block rep':>13} " + " ".join(
         f"{c:>19}" for c in cols
     )
     head += f" {'puts/s':>7} {'blocks/s':>9} {'rebuild [s]':>11} {'evict/block [us]':>16}"
@@ -723,9 +822,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             lk = p["lookup"][str(t)]
             cell = f"{lk['p50_us']:.0f} / {lk['p99_us']:.0f}"
             looks.append(f"{cell:>19}")
-        evs = f"{ev['us_per_block_latency']} / {ev['us_per_block_cpu']}"
+        evs = f"{ev['us_per_block_burst']} / {ev['us_per_block_cpu']}"
         lines.append(
-            f"{r['blocks']:>10} {p['rss_bytes_per_block']:>11.0f} B "
+            f"{r['blocks']:>10} {p['server']:>6} {p['rss_bytes_per_block']:>11.0f} B "
             f"{rep['rss_bytes_per_block']:>11.0f} B {' '.join(looks)} "
             f"{p['puts_per_s']:>7.0f} {p['blocks_per_s']:>9.0f} {rep['rebuild_s']:>11.2f} "
             f"{evs:>16}"
@@ -739,6 +838,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--servers", type=int, default=4, help="report path: servers played")
     ap.add_argument("--nvme-fraction", type=float, default=0.5, help="report path: on NVMe")
     ap.add_argument("--put-qd", type=int, default=2, help="put path: prompts in flight")
+    ap.add_argument(
+        "--put-server",
+        choices=("auto", "real", "played"),
+        default="auto",
+        help="put path: a real gcache-server (SEAL gives the receipts), or one played over "
+        "gRPC (registered, heartbeating; the bench computes the receipts); auto: real "
+        "unless its memory would not fit",
+    )
     ap.add_argument("--lookups", type=int, default=2000, help="lookups per prompt length")
     ap.add_argument("--lease", action="store_true", help="leased lookups (+ release)")
     ap.add_argument("--breakdown-blocks", type=parse_count, default=100_000)
@@ -747,11 +854,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     out_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.gettempdir()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    bd: dict[str, Any] = {}
+
+    def save() -> None:
+        if args.json:
+            result = {
+                "command": "python -m bench.meta_scale "
+                + " ".join(sys.argv[1:] if argv is None else argv),
+                "python": sys.version.split()[0],
+                "load_avg_1m": os.getloadavg()[0],
+                "rows": rows,
+                "breakdown": bd,
+            }
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
     for n in args.blocks:
         rows.append(run_size(n, args, out_dir))
         print(table(rows[-1:]), file=sys.stderr, flush=True)
-    bd: dict[str, Any] = {}
+        save()  # each size as it ends: a later one may not fit
     if args.breakdown_blocks > 0:
         bd = breakdown(args.breakdown_blocks, args.seed)
         bd["report_path"] = report_heap(
@@ -759,7 +880,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     print()
     print("# RSS/block: put path (all DRAM) and report path; lookups one in flight through")
-    print("# the meta's hot path; evict/block: from commit latency / from meta CPU")
+    print("# the meta's hot path; evict/block: the commit that crossed the high watermark")
+    print("# (its time over the median commit) / from the meta's CPU over the phase")
     print(table(rows))
     for r in rows:
         for path in ("report", "puts"):
@@ -784,15 +906,7 @@ def main(argv: list[str] | None = None) -> None:
             f"# report path traced heap: {rp['heap_bytes_per_block']:.0f} B a block stay, "
             f"{rp['heap_peak_bytes_per_block']:.0f} B a block at the peak"
         )
-    result = {
-        "command": "python -m bench.meta_scale " + " ".join(sys.argv[1:] if argv is None else argv),
-        "python": sys.version.split()[0],
-        "load_avg_1m": os.getloadavg()[0],
-        "rows": rows,
-        "breakdown": bd,
-    }
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    save()
 
 
 if __name__ == "__main__":

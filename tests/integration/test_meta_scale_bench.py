@@ -38,11 +38,12 @@ def test_top_functions_of_collapsed_stacks() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_meta_scale_20k_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("server", ["real", "played"])
+def test_meta_scale_20k_end_to_end(tmp_path: Path, server: str) -> None:
     out = tmp_path / "scale.json"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'client'}")
     cmd = [sys.executable, "-m", "bench.meta_scale", "--blocks", "20k", "--lookups", "50",
-           "--breakdown-blocks", "5k", "--json", str(out)]  # fmt: skip
+           "--breakdown-blocks", "5k", "--put-server", server, "--json", str(out)]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RSS/block" in r.stdout and "where a block's bytes go" in r.stdout, r.stdout
@@ -53,6 +54,7 @@ def test_meta_scale_20k_end_to_end(tmp_path: Path) -> None:
     for key in ("rebuild_s", "meta_cpu_s", "rss_bytes_per_block", "objects"):
         assert rep[key] > 0, key
     assert rep["index_entries"] == row["blocks"] and rep["dropped"] == 0
+    assert puts["server"] == server
     for key in ("puts_per_s", "blocks_per_s", "rss_bytes_per_block", "meta_cpu_us_per_block"):
         assert puts[key] > 0, key
     assert set(puts["lookup"]) == {"4096", "32768", "131072"}
@@ -60,7 +62,8 @@ def test_meta_scale_20k_end_to_end(tmp_path: Path) -> None:
         assert 0 < lk["p50_us"] <= lk["p99_us"] and lk["per_s"] > 0
     ev = puts["eviction"]
     assert ev["blocks_evicted"] > 0 and ev["objects_evicted"] >= ev["blocks_evicted"]
-    assert ev["us_per_block_latency"] is not None and ev["us_per_block_cpu"] is not None
+    for key in ("us_per_block_burst", "us_per_block_latency", "us_per_block_cpu"):
+        assert ev[key] is not None, key
     bd = res["breakdown"]
     assert bd["bytes_per_block"] > 0 and bd["rows"] and bd["blocks"] > 4_000
     rp = bd["report_path"]
