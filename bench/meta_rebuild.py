@@ -77,36 +77,31 @@ def descriptor(block_size: int) -> tuple[dict[str, Any], Any]:
     )
 
 
-def manifests(
+def spread(
     fp: bytes,
     layout: Layout,
-    n_blocks: int,
-    prompt_blocks: int,
+    prompts: list[list[bytes]],
     servers: int,
     nvme_fraction: float,
-    order: str,
-    fmt: str = "columns",
-    seed: int = 1,
-) -> tuple[list[list[bytes]], list[int], int]:
-    """Each server's report as serialised ``ReportObjectsRequest`` bodies (without
-    the header fields, added per chunk), each server's DRAM capacity needed, and the
-    object count."""
-    rng = random.Random(seed)
+    rng: random.Random,
+) -> tuple[list[list[StoredRecord]], list[int]]:
+    """The records of ``prompts`` (each a list of block keys) as the restarted
+    servers would hold them: every stored object on a random server, on NVMe with
+    probability ``nvme_fraction``, in the order written. Returns each server's
+    records and the DRAM bytes each uses."""
     sizes = layout.group_object_bytes
     sums = [bytes(8 * len(layout.group_layers[g])) for g in range(layout.num_groups)]
     per: list[list[StoredRecord]] = [[] for _ in range(servers)]
     dram_off = [0] * servers
     nvme_off = [0] * servers
     seq = 0
-    n_prompts = max(1, n_blocks // prompt_blocks)
-    raw = os.urandom(16 * n_prompts * prompt_blocks)
-    k = 0
-    for _ in range(n_prompts):
-        masks = layout.groups_to_store(prompt_blocks)
+    masks_of: dict[int, list[int]] = {}
+    for ks in prompts:
+        masks = masks_of.get(len(ks))
+        if masks is None:
+            masks = masks_of[len(ks)] = layout.groups_to_store(len(ks))
         parent = b""
-        for pos in range(prompt_blocks):
-            key = raw[16 * k : 16 * k + 16]
-            k += 1
+        for pos, key in enumerate(ks):
             mask, g = masks[pos], 0
             while mask:
                 if mask & 1:
@@ -128,6 +123,31 @@ def manifests(
                 mask >>= 1
                 g += 1
             parent = key
+    return per, dram_off
+
+
+def manifests(
+    fp: bytes,
+    layout: Layout,
+    n_blocks: int,
+    prompt_blocks: int,
+    servers: int,
+    nvme_fraction: float,
+    order: str,
+    fmt: str = "columns",
+    seed: int = 1,
+) -> tuple[list[list[bytes]], list[int], int]:
+    """Each server's report as serialised ``ReportObjectsRequest`` bodies (without
+    the header fields, added per chunk), each server's DRAM capacity needed, and the
+    object count."""
+    rng = random.Random(seed)
+    n_prompts = max(1, n_blocks // prompt_blocks)
+    raw = os.urandom(16 * n_prompts * prompt_blocks)
+    prompts = [
+        [raw[16 * k : 16 * k + 16] for k in range(i * prompt_blocks, (i + 1) * prompt_blocks)]
+        for i in range(n_prompts)
+    ]
+    per, dram_off = spread(fp, layout, prompts, servers, nvme_fraction, rng)
     out: list[list[bytes]] = []
     total = 0
     for recs in per:

@@ -86,6 +86,7 @@ from bench.meta_rebuild import (
     descriptor,
     play,
     rss_kib,
+    spread,
 )
 from gcache import capability, keys, wire
 from gcache._proto import gcache_pb2 as pb
@@ -173,38 +174,8 @@ def report_records(
     streams), each object on a random server, and each server's DRAM capacity
     (below the watermarks); as ``bench.meta_rebuild.manifests`` for given prompts."""
     rng = random.Random(seed)
-    sizes = layout.group_object_bytes
-    sums = [bytes(8 * len(layout.group_layers[g])) for g in range(layout.num_groups)]
-    per: list[list[StoredRecord]] = [[] for _ in range(servers)]
-    dram_off = [0] * servers
-    nvme_off = [0] * servers
-    seq = 0
-    for length, lists in prompts.items():
-        masks = layout.groups_to_store(length)
-        for ks in lists:
-            parent = b""
-            for pos, key in enumerate(ks):
-                mask, g = masks[pos], 0
-                while mask:
-                    if mask & 1:
-                        s = rng.randrange(servers)
-                        seq += 1
-                        size = sizes[g]
-                        if rng.random() < nvme_fraction:
-                            tier, off = 1, nvme_off[s]
-                            nvme_off[s] += size
-                        else:
-                            tier, off = 0, dram_off[s]
-                            dram_off[s] += size  # page multiples
-                        per[s].append(
-                            StoredRecord(
-                                namespace=fp, key=key, parent=parent, pos=pos, group=g,
-                                tier=tier, offset=off, length=size, sums=sums[g], seq=seq,
-                            )
-                        )  # fmt: skip
-                    mask >>= 1
-                    g += 1
-                parent = key
+    lists = [ks for group in prompts.values() for ks in group]
+    per, dram_off = spread(fp, layout, lists, servers, nvme_fraction, rng)
     for recs in per:
         recs.sort(key=lambda o: o.pos)
     return per, [max(4 * d, 1 << 30) for d in dram_off]
