@@ -123,6 +123,7 @@ COUNTERS = (
     "puts_waited",
     "demotion_behind",
     "demotion_behind_waits",
+    "watermark_passes_cut",
     "dropped_no_tier",
     "dropped_not_worth",
     "dropped_tier_full",

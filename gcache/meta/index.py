@@ -173,18 +173,31 @@ class Index:
         an old prompt split across servers goes before a fresh one (its leaf on
         another server must go before its interior blocks here can). Returns bytes
         evicted."""
-        evicted = 0
+        return self.evict_pass(srv, target_used, need_contiguous, max_bytes)[0]
+
+    def evict_pass(
+        self,
+        srv: ServerRecord,
+        target_used: int = -1,
+        need_contiguous: int = 0,
+        max_bytes: int = 1 << 62,
+        max_objects: int = 1 << 62,
+    ) -> tuple[int, int]:
+        """:meth:`evict`, taking at most ``max_objects`` candidates. Returns (bytes
+        evicted, candidates taken)."""
+        evicted = taken = 0
         allocator = srv.allocator
         drop = self.drop
         for obj, ns in self.policy.candidates(srv):
             evicted += drop(obj, ns)
+            taken += 1
             if need_contiguous and allocator.largest_free() >= need_contiguous:
                 break
             if target_used >= 0 and srv.reclaimable_used <= target_used:
                 break
-            if evicted >= max_bytes:
+            if evicted >= max_bytes or taken >= max_objects:
                 break
-        return evicted
+        return evicted, taken
 
     def drop(self, obj: ObjectRecord, ns: NamespaceRecord) -> int:
         """Evict a policy's candidate; returns the bytes that left the index."""

@@ -192,6 +192,7 @@ class ServerRecord:
         "demoted",
         "demoting",
         "demoting_bytes",
+        "drain_to",
         "dram_read_gbps",
         "drop_out",
         "dropped",
@@ -269,6 +270,9 @@ class ServerRecord:
         # Outboxes of the next heartbeat reply (bounded, see tiers.py):
         self.adopt_out: list[tuple[ObjectRecord, NamespaceRecord]] = []  # record these
         self.adopt_overflow = 0  # commits the outbox had no room for
+        # A watermark pass cut by its bound (Tiers.PASS_OBJECTS) left DRAM above
+        # this target: later passes go on until it is reached (-1: none pending).
+        self.drain_to = -1
         self.drop_out: list[tuple[int, int]] = []  # NVMe objects evicted: delete
         # DRAM offset -> (object, its namespace) of a demotion in flight.
         self.demoting: dict[int, tuple[ObjectRecord, NamespaceRecord]] = {}

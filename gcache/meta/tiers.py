@@ -1,3 +1,4 @@
+# One file (over 450 lines): the demotion rule and both tiers' watermarks are one policy.
 """The NVMe tier, seen from the meta: which DRAM objects are demoted (copied to
 their server's NVMe tier) and which are dropped when DRAM passes its high
 watermark, the NVMe watermarks (evicting from NVMe deletes), finished demotions
@@ -67,6 +68,11 @@ MAX_PROMOTIONS_IN_FLIGHT = 1024
 # Objects not worth a disk write that continuous demotion passes over per call (they
 # wait for the high watermark, where they are dropped).
 SKIP_AHEAD = 64
+# Objects one watermark pass takes at most (~10 us each): the pass runs on the
+# meta's event loop beside the etcd keepalives, so a store of millions of blocks
+# drains in bounded steps (each commit and heartbeat goes on) instead of one call
+# of seconds.
+PASS_OBJECTS = 16384
 PROMOTING = -1  # ObjectRecord.hits of an object being promoted
 
 # What the rule says of a DRAM object leaving DRAM (Tiers._leaving): demote it,
@@ -145,12 +151,15 @@ class Tiers:
         cfg = self.cfg
         cap = srv.allocator.capacity
         used = srv.reclaimable_used
-        if used > cfg.high_watermark * cap:
+        if used > cfg.high_watermark * cap or 0 <= srv.drain_to < used:
             target = int(cfg.low_watermark * cap)
             if cfg.demote:
-                self.demote_or_drop(srv, target)
+                taken = self.drain(srv, target, PASS_OBJECTS)[1]
             else:
-                self.index.evict(srv, target_used=target, max_bytes=cap)
+                taken = self.index.evict_pass(srv, target, 0, cap, PASS_OBJECTS)[1]
+            cut = taken >= PASS_OBJECTS
+            srv.drain_to = target if cut and srv.reclaimable_used > target else -1
+            self.counters["watermark_passes_cut"] += 1 if srv.drain_to >= 0 else 0
         elif cfg.demote and srv.nvme_capacity and used > cfg.demote_watermark * cap:
             self._demote_ahead(srv, int(cfg.demote_watermark * cap))
         ncap = srv.nvme_capacity
@@ -158,16 +167,23 @@ class Tiers:
             self._evict_nvme(srv, int(cfg.nvme_low_watermark * ncap))
 
     def demote_or_drop(self, srv: ServerRecord, target_used: int) -> int:
+        """:meth:`drain` without a bound; returns the bytes that left DRAM."""
+        return self.drain(srv, target_used)[0]
+
+    def drain(
+        self, srv: ServerRecord, target_used: int, max_objects: int = 1 << 62
+    ) -> tuple[int, int]:
         """Take DRAM objects in the policy's store-wide order until ``srv``'s
         reclaimable usage is at most ``target_used``: each is demoted or dropped by
         :meth:`_leaving`. One whose server is behind (``max_demotions_in_flight``
         pending) is neither: it stays, and the pass stops once ``srv`` itself is
-        behind (``demotion_behind``). Returns the bytes that left (or are leaving)
-        DRAM."""
-        moved = 0
+        behind (``demotion_behind``), or after ``max_objects`` candidates. Returns
+        (bytes that left or are leaving DRAM, candidates taken)."""
+        moved = taken = 0
         limit = srv.allocator.capacity
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
         for obj, ns in self.index.policy.candidates(srv):
+            taken += 1
             why = self._leaving(obj, ns)
             if why == DEMOTE:
                 self._demote(obj, ns)
@@ -180,11 +196,11 @@ class Tiers:
                 continue
             else:
                 moved += self._drop(obj, ns, why)
-            if srv.reclaimable_used <= target_used or moved >= limit:
+            if srv.reclaimable_used <= target_used or moved >= limit or taken >= max_objects:
                 break
         for obj, ns in held:  # popped from the policy's order: back in it
             self.index.policy.unpinned(obj, ns)
-        return moved
+        return moved, taken
 
     def _demote_ahead(self, srv: ServerRecord, target_used: int) -> int:
         """Continuous demotion (between ``demote_watermark`` and the high watermark):

@@ -588,3 +588,42 @@ def test_a_client_holds_a_bounded_number_of_leases() -> None:
     assert core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, b).lease_id  # others unaffected
     assert core.release(held[0], a)
     assert core.lookup(wire.Lookup(fp, ks, True), 1.0, WALL, a).lease_id
+
+
+def test_a_watermark_pass_is_bounded_and_the_next_calls_finish_the_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One pass takes at most PASS_OBJECTS candidates (it runs on the meta's event
+    loop beside the etcd keepalives); the server's later commits and heartbeats go
+    on until DRAM is at the low watermark, and no further."""
+    import gcache.meta.tiers as tiers
+
+    monkeypatch.setattr(tiers, "PASS_OBJECTS", 2)
+    core = make_core(servers=1, capacity=256 << 10, high_watermark=0.8, low_watermark=0.5)
+    fp = register(core)
+    srv = core.servers["s0"]
+    cap = srv.allocator.capacity
+    # Fill to the high watermark with the bound out of the way, then cross it.
+    monkeypatch.setattr(tiers, "PASS_OBJECTS", 1 << 62)
+    i = 0
+    while srv.reclaimable_used <= 0.75 * cap:
+        put(core, fp, [20_000 + 100 * i + t for t in range(8)], now=1.0 + i)
+        i += 1
+    monkeypatch.setattr(tiers, "PASS_OBJECTS", 2)
+    while srv.drain_to < 0:
+        put(core, fp, [20_000 + 100 * i + t for t in range(8)], now=1.0 + i)
+        i += 1
+    assert core.counters["watermark_passes_cut"] >= 1
+    calls = 0
+    while srv.drain_to >= 0:
+        before = core.counters["evictions"]
+        core.tiers.check_watermark(srv)
+        # A candidate is a whole block at most (its full object and its window).
+        assert core.counters["evictions"] - before <= 2 * 2
+        calls += 1
+        assert calls < 1000
+    assert calls >= 1
+    assert srv.reclaimable_used <= 0.5 * cap
+    used = srv.reclaimable_used
+    core.tiers.check_watermark(srv)  # below the low watermark: nothing more goes
+    assert srv.reclaimable_used == used
