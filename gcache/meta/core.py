@@ -293,18 +293,6 @@ class MetaCore:
     def on_room(self, fn: Callable[[], None] | None) -> None:
         self.heartbeats.on_room = fn
 
-    def _live_servers(self) -> list[ServerRecord]:
-        return self.membership.live_servers()
-
-    def _evict(
-        self,
-        srv: ServerRecord,
-        target_used: int = -1,
-        need_contiguous: int = 0,
-        max_bytes: int = 1 << 62,
-    ) -> int:
-        return self.index.evict(srv, target_used, need_contiguous, max_bytes)
-
     # ---- control plane -------------------------------------------------------------
 
     def register_namespace(self, descriptor: dict[str, Any], spec: LayoutSpec) -> NamespaceRecord:

@@ -470,7 +470,7 @@ def test_full_adopt_outbox_pauses_placement_and_loses_no_commit() -> None:
             assert len(srv.adopt_out) <= 8 + 6
             if len(srv.adopt_out) >= 8:
                 paused_seen = True
-                assert srv not in core._live_servers()
+                assert srv not in core.membership.live_servers()
         if p % 5 == 4:  # a heartbeat now and then drains both outboxes
             for sid in ("s0", "s1"):
                 out = heartbeat(core, sid, float(p) + 0.5)
@@ -483,7 +483,7 @@ def test_full_adopt_outbox_pauses_placement_and_loses_no_commit() -> None:
     assert live <= committed
     assert live <= adopted, "a committed object never reached its server's manifest"
     # Drained: both servers take placements again.
-    assert s0 in core._live_servers() and s1 in core._live_servers()
+    assert s0 in core.membership.live_servers() and s1 in core.membership.live_servers()
 
 
 def test_single_server_with_a_full_outbox_answers_no_space_until_drained() -> None:
