@@ -15,8 +15,10 @@ from itertools import repeat
 
 from gcache.config import MetaConfig
 from gcache.meta.index import Index
-from gcache.meta.parked import ParkedBooks
+from gcache.meta.parked import Held, ParkedBooks
 from gcache.meta.records import (
+    GONE,
+    LIVE,
     BlockEntry,
     NamespaceRecord,
     ObjectRecord,
@@ -79,6 +81,7 @@ class Adoption:
         origin: list[Parked] | None = None,
         credit: dict[str, int] | None = None,
         owners: list[ParkedChunk] | None = None,
+        servers: list[ServerRecord] | None = None,
     ) -> tuple[int, int, list[Parked]]:
         """Adopt records (in block order) whose namespace and parent are known, in
         one pass with no per-record helper calls (1M records: see
@@ -87,7 +90,9 @@ class Adoption:
         impossible ones. The records are a chunk of ``srv`` or, with ``origin``,
         parked records (off the books, of live servers) being retried, their
         adoptions counted per server in ``credit``, or, with ``owners``, rows of
-        parked chunks (off the books) and the chunk of each. The adopted objects
+        parked chunks (off the books) and the chunk of each, or, with ``servers``,
+        rows of several servers' chunks merged in block order and the server of
+        each (adoptions counted in ``credit``). The adopted objects
         are admitted into the eviction policies in bulk, per namespace run.
         Returns (adopted, dropped, records whose parent is missing)."""
         n = len(cols)
@@ -126,13 +131,14 @@ class Adoption:
             zip(*cols.fields(), strict=True),
             origin if origin is not None else repeat(None, n),
             owners if owners is not None else repeat(None, n),
+            servers if servers is not None else repeat(srv, n),
             strict=True,
         )
         mk = parked_row
-        for row, orig, own in rows:
+        for row, orig, own, rs in rows:
             nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb = row
             s: ServerRecord = (
-                orig.server if orig is not None else own.server if own is not None else srv  # type: ignore[assignment]
+                orig.server if orig is not None else own.server if own is not None else rs  # type: ignore[assignment]
             )
             if s is not cur:
                 cur = s
@@ -216,7 +222,8 @@ class Adoption:
                 self.release_parked(orig or mk(row, s, own, now))
                 continue
             last = base + (seq if seq < 10**9 else 10**9) * 1e-9
-            obj = ObjectRecord(entry, g, s, off, length, sums, last, "", tier)
+            # (the layout's length, equal to the row's: one int object for all)
+            obj = ObjectRecord(entry, g, s, off, sizes[g], sums, last, "", tier)
             link(ns, entry, obj)
             nbytes += length
             gbytes[g] += length
@@ -406,3 +413,26 @@ class Adoption:
         # (Adopted after the report completed, it was parked: its range is allocated.)
         self.index.pol(obj).admit(obj, ns)
         return True
+
+    def forget_overlapping(self, srv: ServerRecord, overlapping: list[tuple[int, Held]]) -> None:
+        """Records of ``srv`` whose DRAM range turned out to be another's (its
+        report complete, :func:`~gcache.meta.parked.reported_ranges`): forgotten
+        without freeing anything (the server's record at that offset belongs to
+        the first one)."""
+        index = self.index
+        for off, what in overlapping:
+            self.counters["report_invalid"] += 1
+            if isinstance(what, ParkedChunk):
+                del what.ranges[off]
+                del srv.parked[off]
+                what.skip.add(off)
+            elif isinstance(what, Parked):
+                what.allocated = False
+                self.books.unpark(what)
+            elif what.state == LIVE:
+                entry = what.entry
+                nss = index.namespaces.values()
+                ns = next(n for n in nss if n.entries.get(entry.key) is entry)
+                index.unlink(ns, entry, what.group)
+                what.state = GONE
+                index.prune(ns, entry)

@@ -406,6 +406,7 @@ class MetaCore:
         )
         out.update(self.heartbeats.tier_stats())
         out.update(self.parked.stats())
+        out.update(self.rebuild.streams.stats())
         out.update(self.removals.stats())
         for name, val in index.group_bytes.items():
             out[f"bytes_stored_{name}"] = val

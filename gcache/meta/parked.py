@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gcache.meta.records import Parked, ParkedChunk, ServerRecord
+import numpy as np
+
+from gcache.meta.records import ObjectRecord, Parked, ParkedChunk, ServerRecord
 
 
 class ParkedBooks:
@@ -158,3 +160,38 @@ class ParkedBooks:
 
     def stats(self) -> dict[str, int]:
         return {"parked_objects": len(self)}
+
+
+Held = ObjectRecord | Parked | ParkedChunk
+
+
+def reported_ranges(
+    srv: ServerRecord, books: ParkedBooks
+) -> tuple[list[tuple[int, int]], list[tuple[int, Held]]]:
+    """Every DRAM range of a server whose report completes (adopted, parked one by
+    one or in chunks), sorted, and apart those overlapping an earlier one (with
+    what holds each)."""
+    reported = srv.reported
+    assert reported is not None
+    ranges = [(off, o.length) for off, o in reported.items()]
+    ranges += [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
+    for chunk in books.chunks_of(srv):
+        ranges += chunk.ranges.items()
+    ranges.sort()
+    mask = srv.allocator.align - 1
+    if len(ranges) > 1:  # the usual case, checked at once: nothing overlaps
+        offs = np.fromiter((r[0] for r in ranges), np.int64, len(ranges))
+        ends = offs + ((np.fromiter((r[1] for r in ranges), np.int64, len(ranges)) + mask) & ~mask)
+        if bool((offs[1:] >= ends[:-1]).all()):
+            return ranges, []
+    used: list[tuple[int, int]] = []
+    cursor = 0
+    overlapping: list[tuple[int, Held]] = []
+    for off, length in ranges:
+        if off < cursor:
+            mine = reported.get(off)
+            overlapping.append((off, mine if mine is not None else srv.parked[off]))
+            continue
+        used.append((off, length))
+        cursor = off + ((length + mask) & ~mask)
+    return used, overlapping

@@ -17,10 +17,17 @@ every report, and when their namespace is registered; a record whose parent came
 in the next chunk of another server is adopted then, at about the cost of one
 adopted at once (the four streams of a restarted cluster interleave; a server that
 does not sort its manifest costs one pass more). Records waiting for their namespace
-are adopted when it is registered. Parked records are freed (the server drops
-them) after ``parked_ttl_s`` or when more than ``max_parked_objects`` wait.
-Adopted records get ``last_access`` from their sequence number, so the eviction
-order is the recorded one as far as it goes.
+are adopted when it is registered.
+
+Before any of that, the streams are merged by block position
+(``meta/streams.py``): rows past the position every other stream in progress has
+reached are held, in columns, and adopted with the rows of the other streams'
+later chunks in one pass, so a record whose parent is on another server mostly
+finds it in the index instead of being deferred and retried.
+
+Parked records are freed (the server drops them) after ``parked_ttl_s`` or when
+more than ``max_parked_objects`` wait. Adopted records get ``last_access`` from
+their sequence number, so the eviction order is the recorded one as far as it goes.
 
 A record that cannot be right (out of the segment, misaligned, overlapping another,
 a wrong length or checksum count for its group) is dropped and freed, never
@@ -31,28 +38,24 @@ two servers) keep the first reported; the other is freed. No I/O.
 from __future__ import annotations
 
 from collections import Counter
-from operator import attrgetter, itemgetter
-from typing import Any
+from operator import attrgetter
 
 from gcache.config import MetaConfig
 from gcache.keys import KEY_SIZE
 from gcache.meta.adopt import Adoption, parked_from
 from gcache.meta.index import Index
 from gcache.meta.membership import Membership
-from gcache.meta.parked import ParkedBooks
+from gcache.meta.parked import ParkedBooks, reported_ranges
 from gcache.meta.records import (
-    GONE,
-    LIVE,
     BlockEntry,
     NamespaceRecord,
-    ObjectRecord,
     Parked,
     ParkedChunk,
     ServerRecord,
 )
+from gcache.meta.streams import StreamMerge, in_order, merged
 from gcache.storage.allocator import SegmentAllocator
-from gcache.storage.columns import Columns, columns_of
-from gcache.storage.record import FIELDS
+from gcache.storage.columns import Columns, columns_of, concat
 
 # While at most this many records wait for a parent, they are retried after every
 # chunk (a few checks); past it only once as many records arrived as wait.
@@ -91,6 +94,8 @@ class Rebuild:
         # after the other servers' chunks, parked before its own next chunk
         # (meta/pacing.py holds that stream meanwhile)
         self._deferred: dict[str, list[Parked]] | None = None
+        # the report streams merged by block position (rows held in columns)
+        self.streams = StreamMerge()
 
     def begin_report(self, srv: ServerRecord) -> None:
         """``srv`` will report what it holds: no placement on it until it is done."""
@@ -99,6 +104,9 @@ class Rebuild:
             self.members.invalidate()
         if self._credit:
             self._credit.pop(srv.server_id, None)
+        # A server that registers again reports everything again: forget what was
+        # held of its earlier stream (not released: its records are reported anew).
+        self.streams.take(srv.server_id)
 
     def _reporting(self, server_id: str, incarnation: int, now: float) -> ServerRecord | None:
         srv = self.members.servers.get(server_id)
@@ -119,8 +127,44 @@ class Rebuild:
             return None
         if srv.reported is None:
             return 0, self._reported_again(srv, parked_from(cols))
+        if (len(cols) and cols.namespace[0] in self.index.namespaces) or (
+            last and self.streams.holds(srv.server_id)
+        ):
+            return self._merged(srv, cols, last, now)
         adopted, dropped, deferred = self.adoption.adopt_columns(srv, cols, now)
         return self._after_chunk(srv, adopted, dropped, deferred, last, now)
+
+    def _merged(self, srv: ServerRecord, cols: Columns, last: bool, now: float) -> tuple[int, int]:
+        """A chunk through the merge of the report streams: what it no longer holds,
+        of every stream, adopted in block order in one pass. ``dropped`` counts the
+        rows dropped in that pass (nearly always all of them this chunk's)."""
+        cols, servers = merged(self.streams.push(srv, cols, last, now))
+        credit = self._credit if self._credit is not None else {}
+        self._credit = credit
+        adopted, dropped, deferred = self.adoption.adopt_columns(
+            None, cols, now, servers=servers, credit=credit
+        )
+        mine = credit.pop(srv.server_id, 0)
+        self.counters["objects_adopted"] += adopted - mine  # other servers' (credited)
+        return self._after_chunk(srv, mine, dropped, deferred, last, now)
+
+    def flush_held(self, server_id: str, now: float) -> None:
+        """Adopt (or defer and park) every row held of ``server_id``'s stream."""
+        got = self.streams.take(server_id)
+        if got is None:
+            return
+        srv, cols = got
+        if not srv.alive or srv.reported is None:
+            return
+        credit = self._credit if self._credit is not None else {}
+        self._credit = credit
+        adopted, dropped, deferred = self.adoption.adopt_columns(
+            None, cols, now, servers=[srv] * len(cols), credit=credit
+        )
+        self.counters["objects_adopted"] += adopted
+        self.counters["objects_report_dropped"] += dropped
+        if deferred:
+            self._retry_deferred(deferred, now, park=True)
 
     def report_objects(
         self,
@@ -257,7 +301,7 @@ class Rebuild:
     def deferred_of(self, server_id: str) -> int:
         """Records of ``server_id``'s last chunk still waiting for a parent."""
         recs = self._deferred.get(server_id) if self._deferred else None
-        return len(recs) if recs else 0
+        return (len(recs) if recs else 0) + self.streams.held_of(server_id)
 
     def _retry_parents(self, now: float) -> int:
         """Adopt, in block order, the parked records whose parent block is now in
@@ -316,24 +360,7 @@ class Rebuild:
         """The report of ``srv`` is complete: build its allocator with every
         reported DRAM range (adopted or parked) used, from the gaps between them
         (no allocation per range), then open it for placement."""
-        reported = srv.reported
-        assert reported is not None
-        ranges = [(off, o.length) for off, o in reported.items()]
-        ranges += [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
-        for chunk in self.books.chunks_of(srv):
-            ranges += chunk.ranges.items()
-        ranges.sort()
-        mask = srv.allocator.align - 1
-        used: list[tuple[int, int]] = []
-        cursor = 0
-        overlapping: list[tuple[int, ObjectRecord | Parked | ParkedChunk]] = []
-        for off, length in ranges:
-            if off < cursor:
-                mine = reported.get(off)
-                overlapping.append((off, mine if mine is not None else srv.parked[off]))
-                continue
-            used.append((off, length))
-            cursor = off + ((length + mask) & ~mask)
+        used, overlapping = reported_ranges(srv, self.books)
         alloc = SegmentAllocator.with_used(srv.allocator.capacity, srv.allocator.align, used)
         for p in srv.parked.values():
             p.allocated = True
@@ -341,24 +368,7 @@ class Rebuild:
         srv.reported = None
         self.members.invalidate()
         self.counters["reports_completed"] += 1
-        for off, what in overlapping:
-            self.counters["report_invalid"] += 1
-            # Its range is another's: forget it without freeing anything (the
-            # server's record at that offset belongs to the first one).
-            if isinstance(what, ParkedChunk):
-                del what.ranges[off]
-                del srv.parked[off]
-                what.skip.add(off)
-            elif isinstance(what, Parked):
-                what.allocated = False
-                self.books.unpark(what)
-            elif what.state == LIVE:
-                entry = what.entry
-                nss = self.index.namespaces.values()
-                ns = next(n for n in nss if n.entries.get(entry.key) is entry)
-                self.index.unlink(ns, entry, what.group)
-                what.state = GONE
-                self.index.prune(ns, entry)
+        self.adoption.forget_overlapping(srv, overlapping)
 
     def adopt_parked_namespace(self, ns: NamespaceRecord, now: float) -> int:
         """``ns`` was registered: adopt what was reported for it (its parked chunks
@@ -384,26 +394,21 @@ class Rebuild:
             cols = live[0].cols
             owners = [live[0]] * len(cols)
         else:
-            merged: list[list[Any]] = [[] for _ in FIELDS]
+            parts: list[Columns] = []
             owners = []
             for c in live:
-                fields = c.cols.fields()
+                cols = c.cols
                 if c.skip:  # rows whose range turned out to be another's
                     keep = [
                         i
-                        for i, (t, off) in enumerate(zip(c.cols.tier, c.cols.offset, strict=True))
+                        for i, (t, off) in enumerate(zip(cols.tier, cols.offset, strict=True))
                         if t or off not in c.skip
                     ]
-                    fields = [[col[i] for i in keep] for col in fields]
-                for into, col in zip(merged, fields, strict=True):
-                    into += col
-                owners += [c] * len(fields[0])
-            pos = merged[FIELDS.index("pos")]
-            if len(pos) > 1:
-                pick = itemgetter(*sorted(range(len(pos)), key=pos.__getitem__))
-                merged = [list(pick(col)) for col in merged]
-                owners = list(pick(owners))
-            cols = Columns(*merged)
+                    cols = Columns(*([col[i] for i in keep] for col in cols.fields()))
+                parts.append(cols)
+                owners += [c] * len(cols)
+            cols, ordered = in_order(concat(parts), owners)
+            owners = ordered if ordered is not None else owners
             if not any(cols.layer_bytes or ()):
                 cols.layer_bytes = None
         got, _, deferred = self.adoption.adopt_columns(None, cols, now, owners=owners)
@@ -419,6 +424,8 @@ class Rebuild:
     def expire_parked(self, now: float) -> None:
         """Free parked records older than ``parked_ttl_s``; park the records that
         waited a second for a next chunk that did not come."""
+        for sid in self.streams.stalled(now, 1.0):  # stop holding a stalled stream's rows
+            self.flush_held(sid, now)
         if self._deferred:
             for sid, due in list(self._deferred.items()):
                 if due[0].since < now - 1.0:

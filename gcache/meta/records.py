@@ -112,13 +112,18 @@ class ObjectRecord(RingNode):
         )
 
 
+# Block positions as shared int objects: an entry's own ``pos`` past 256 would be an
+# int of its own (32 B a block at fleet scale).
+_POS_INTS: Final = list(range(1 << 16))
+
+
 class BlockEntry:
     __slots__ = ("children", "hot", "key", "objects", "parent", "pos")
 
     def __init__(self, key: bytes, parent: BlockEntry | None, pos: int, groups: int) -> None:
         self.key = key
         self.parent = parent
-        self.pos = pos
+        self.pos = _POS_INTS[pos] if pos < 65536 else pos
         self.children = 0
         # Children whose full object is in DRAM (tier 0): a DRAM full object may be
         # demoted or dropped once none is (its other children are on NVMe, where a

@@ -17,6 +17,7 @@ before children, whatever order the server sent.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -69,6 +70,34 @@ class Columns:
             self.seq,
             lbs if lbs is not None else [()] * len(self.key),
         ]
+
+
+# The columns every record has (all but ``layer_bytes``), in FIELDS order.
+_LISTS: Final = tuple(f.name for f in dataclasses.fields(Columns))[:-1]
+
+
+def split(cols: Columns, k: int) -> tuple[Columns, Columns]:
+    """The first ``k`` records and the rest (list slices, no record objects)."""
+    lbs = cols.layer_bytes
+    head = Columns(*(getattr(cols, f)[:k] for f in _LISTS), None)  # type: ignore[arg-type,call-arg]
+    tail = Columns(*(getattr(cols, f)[k:] for f in _LISTS), None)  # type: ignore[arg-type,call-arg]
+    if lbs is not None:
+        head.layer_bytes, tail.layer_bytes = lbs[:k] or None, lbs[k:] or None
+    return head, tail
+
+
+def concat(parts: Sequence[Columns]) -> Columns:
+    """Chunks end to end, in the order given (not re-sorted)."""
+    out = Columns(*([] for _ in _LISTS), None)  # type: ignore[arg-type,call-arg]
+    for c in parts:
+        for f in _LISTS:
+            getattr(out, f).extend(getattr(c, f))
+    if any(c.layer_bytes for c in parts):
+        lbs: list[tuple[int, ...]] = []
+        for c in parts:
+            lbs += c.layer_bytes if c.layer_bytes is not None else [()] * len(c)
+        out.layer_bytes = lbs
+    return out
 
 
 def columns_of(records: Sequence[StoredRecord]) -> Columns:
@@ -183,12 +212,27 @@ def decode(cols: Any) -> Columns:
         ends = lb_end.tolist()
         starts = [0, *ends[:-1]]
         layer_lists = [tuple(flat[a:b]) for a, b in zip(starts, ends, strict=True)]
-    order = np.argsort(pos, kind="stable")
-    idx = order.tolist()
     ends8 = sum_end.tolist()
-    starts8 = [0, *ends8[:-1]]
+    starts8 = [0, *ends8[:-1]] if n else []
     pos_l = pos.tolist()
     ns_l = ns_index.tolist()
+    if n < 2 or bool((pos[1:] >= pos[:-1]).all()):  # as servers send: no reordering
+        one = spaces[0] if len(spaces) == 1 else None
+        return Columns(
+            namespace=[one] * n if one is not None else [spaces[i] for i in ns_l],
+            key=[keys[i : i + KEY] for i in range(0, n * KEY, KEY)],
+            parent=[parents[KEY * i : KEY * i + KEY] if p else b"" for i, p in enumerate(pos_l)],
+            pos=pos_l,
+            group=group.tolist(),
+            tier=tier.tolist(),
+            offset=offset.tolist(),
+            length=length.tolist(),
+            sums=[sums[a:b] for a, b in zip(starts8, ends8, strict=True)],
+            seq=seq.tolist(),
+            layer_bytes=layer_lists,
+        )
+    order = np.argsort(pos, kind="stable")
+    idx = order.tolist()
     return Columns(
         namespace=[spaces[ns_l[i]] for i in idx],
         key=[keys[KEY * i : KEY * i + KEY] for i in idx],
