@@ -24,6 +24,9 @@ Why a TLSF-style segregated fit with immediate coalescing:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
 
 _SL_BITS = 3  # 8 linear sub-bins per power-of-two class
 _SL = 1 << _SL_BITS
@@ -120,17 +123,42 @@ class SegmentAllocator:
 
     @classmethod
     def with_used(
-        cls, capacity: int, align: int, used: Iterator[tuple[int, int]] | list[tuple[int, int]]
+        cls,
+        capacity: int,
+        align: int,
+        used: Iterator[tuple[int, int]] | list[tuple[int, int]] | tuple[Any, Any],
     ) -> SegmentAllocator:
         """An allocator whose live allocations are ``used``: ``(offset, size)`` by
         offset, aligned, not overlapping (the caller checked), sizes rounded up to
         ``align``; the gaps between them are its free blocks. One pass, no
         allocation per range (a restarted meta rebuilding a server's allocator from
-        its report)."""
+        its report). ``used`` may be two integer arrays instead, offsets (sorted)
+        and lengths."""
         self = cls(0, align)
         self._capacity = capacity & ~(align - 1)
         self._bins = [{} for _ in range(_bin_of(self._capacity >> self._shift) + 1)]
         mask = align - 1
+        if isinstance(used, tuple):  # (offsets, lengths) arrays: checked at once
+            offs, lens = used
+            sizes = (lens + mask) & ~mask
+            ends = offs + sizes
+            bad = (offs & mask) != 0
+            bad |= ends > self._capacity
+            bad[1:] |= offs[1:] < ends[:-1]
+            if len(offs) and bool(bad.any()):
+                i = int(bad.argmax())
+                raise ValueError(
+                    f"range ({int(offs[i])}, {int(sizes[i])}) overlaps, is misaligned or outside"
+                )
+            self._live = dict(zip(offs.tolist(), sizes.tolist(), strict=True))
+            before = np.concatenate([np.zeros(1, ends.dtype), ends[:-1]])
+            for i in np.flatnonzero(offs > before).tolist():  # the gaps: free blocks
+                self._insert(int(before[i]), int(offs[i] - before[i]))
+            cursor = int(ends[-1]) if len(ends) else 0
+            if cursor < self._capacity:
+                self._insert(cursor, self._capacity - cursor)
+            self._used = int(sizes.sum())
+            return self
         live = self._live
         cursor = 0
         total = 0

@@ -134,10 +134,22 @@ def test_a_refused_chunk_adopts_nothing_and_the_next_good_one_still_does() -> No
     assert core.stats()["objects"] == len(recs)
 
 
-def test_allocator_from_used_ranges_matches_one_allocation_per_range() -> None:
+@pytest.mark.parametrize("arrays", [False, True])
+def test_allocator_from_used_ranges_matches_one_allocation_per_range(arrays: bool) -> None:
     """A rebuilt server's allocator is made from the gaps between its reported
-    ranges (SegmentAllocator.with_used): the same books as allocating each range."""
+    ranges (SegmentAllocator.with_used, given tuples or two arrays): the same books
+    as allocating each range."""
+    import numpy as np
+
     from gcache.storage.allocator import SegmentAllocator
+
+    def given(ranges: list[tuple[int, int]]) -> object:
+        if not arrays:
+            return ranges
+        return (
+            np.array([r[0] for r in ranges], np.int64),
+            np.array([r[1] for r in ranges], np.int64),
+        )
 
     rng = random.Random(3)
     cap, align = (1 << 24) + 1000, 4096
@@ -150,7 +162,7 @@ def test_allocator_from_used_ranges_matches_one_allocation_per_range() -> None:
             break
         used.append((off, size))
         off += (size + align - 1) // align * align
-    fast = SegmentAllocator.with_used(cap, align, used)
+    fast = SegmentAllocator.with_used(cap, align, given(used))  # type: ignore[arg-type]
     slow = SegmentAllocator(cap, align)
     cursor, gaps = 0, []
     for o, n in used:
@@ -169,8 +181,9 @@ def test_allocator_from_used_ranges_matches_one_allocation_per_range() -> None:
         slow.free(o)
     assert list(fast.free_ranges()) == list(slow.free_ranges())
     assert fast.alloc(8192) == slow.alloc(8192)
-    with pytest.raises(ValueError):
-        SegmentAllocator.with_used(cap, align, [(0, 8192), (4096, 4096)])
+    for bad in ([(0, 8192), (4096, 4096)], [(100, 10)], [(cap - 10, 4096)]):
+        with pytest.raises(ValueError):
+            SegmentAllocator.with_used(cap, align, given(bad))  # type: ignore[arg-type]
 
 
 def _chain(fp: bytes, layout: Layout, n: int) -> list[StoredRecord]:

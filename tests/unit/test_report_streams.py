@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from gcache.config import MetaConfig
 from gcache.meta.core import MetaCore
 from gcache.meta.rebuild import Parked
-from gcache.meta.records import ServerRecord
+from gcache.meta.records import BlockEntry, ObjectRecord, ServerRecord
 from gcache.meta.streams import StreamMerge, in_order, merged
 from gcache.storage.columns import Columns, columns_of, concat, split
 from tests.unit.test_meta_tiers import SLOW, addr, make, put, report_of, toks
@@ -122,6 +122,46 @@ def index_of(core: MetaCore) -> set[tuple[bytes, int, str, int, int]]:
     }
 
 
+def books_match_a_rescan(core: MetaCore) -> None:
+    """Every incremental count the adoption keeps, against a rescan of the index."""
+    objs = [
+        (ns, e, o)
+        for ns in core.namespaces.values()
+        for e in ns.entries.values()
+        for o in e.objects
+        if o is not None
+    ]
+    assert core.index.live_objects == len(objs)
+    assert core.index.live_bytes == sum(o.length for _, _, o in objs)
+    assert core.index.entries == sum(len(ns.entries) for ns in core.namespaces.values())
+    for ns in core.namespaces.values():
+        fg = ns.full_group
+        assert fg is not None
+
+        def full(e: BlockEntry, fg: int = fg) -> ObjectRecord | None:
+            return e.objects[fg]
+
+        assert ns.full_holes == len([e for e in ns.entries.values() if full(e) is None])
+        for e in ns.entries.values():
+            kids = [c for c in ns.entries.values() if c.parent is e]
+            assert e.children == len(kids)
+            hot = [c for c in kids if (o := full(c)) is not None and o.tier == 0]
+            assert e.hot == len(hot)
+    for srv in core.servers.values():
+        mine = [o for _, _, o in objs if o.server is srv]
+        assert srv.objects == len(mine)
+        walked = 0
+        for ring in srv.rings.values():
+            cur = ring.next_on
+            while cur is not ring:
+                walked += 1
+                cur = cur.next_on
+        assert walked == len(mine)
+        nvme = [o for o in mine if o.tier]
+        assert srv.nvme_bytes == sum(o.length for o in nvme)
+        assert {off: got[0] for off, got in srv.nvme_objects.items()} == {o.offset: o for o in nvme}
+
+
 def filled(servers: int, prompts: int) -> tuple[MetaCore, bytes]:
     old, fp = make(servers=servers, capacity=4 << 20)
     for p in range(prompts):
@@ -145,6 +185,7 @@ def test_children_ahead_of_their_parents_on_another_server_are_not_parked() -> N
     assert new.rebuild.streams.rows == 0 and new.parked_of("s0") == new.parked_of("s1") == 0
     assert index_of(new) == index_of(old)
     assert all(s.ready for s in new.servers.values())
+    books_match_a_rescan(new)
 
 
 @settings(max_examples=40, deadline=None)
@@ -153,15 +194,21 @@ def test_children_ahead_of_their_parents_on_another_server_are_not_parked() -> N
     servers=st.integers(1, 3),
     chunk=st.integers(1, 9),
     unsorted=st.booleans(),
+    nvme=st.sampled_from([0.0, 0.3, 1.0]),
 )
 def test_any_interleaving_adopts_every_object_and_holds_nothing_at_the_end(
-    seed: int, servers: int, chunk: int, unsorted: bool
+    seed: int, servers: int, chunk: int, unsorted: bool, nvme: float
 ) -> None:
     old, fp = filled(servers, 10)
     rng = random.Random(seed)
     streams: dict[str, list[Columns]] = {}
+    want = set()
     for i in range(servers):
         recs = report_of(old, f"s{i}")
+        for j, r in enumerate(recs):
+            if rng.random() < nvme:  # on the server's NVMe tier (any address)
+                r.tier, r.offset = 1, (1 << 30) + 4096 * j
+            want.add((r.key, r.group, f"s{i}", r.tier, r.offset))
         recs.sort(key=lambda r: r.pos)
         if unsorted and i == 0:
             rng.shuffle(recs)  # a server that does not send in block order
@@ -178,6 +225,7 @@ def test_any_interleaving_adopts_every_object_and_holds_nothing_at_the_end(
         if rng.random() < 0.1:
             new.tick(1.0)
     assert new.rebuild.streams.rows == 0
-    assert index_of(new) == index_of(old)
+    assert index_of(new) == want
+    books_match_a_rescan(new)
     assert sum(new.parked_of(f"s{i}") for i in range(servers)) == 0
     assert all(s.ready for s in new.servers.values())
