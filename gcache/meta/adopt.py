@@ -15,10 +15,8 @@ from itertools import repeat
 
 from gcache.config import MetaConfig
 from gcache.meta.index import Index
-from gcache.meta.parked import Held, ParkedBooks
+from gcache.meta.parked import ParkedBooks
 from gcache.meta.records import (
-    GONE,
-    LIVE,
     BlockEntry,
     NamespaceRecord,
     ObjectRecord,
@@ -442,26 +440,3 @@ class Adoption:
         # (Adopted after the report completed, it was parked: its range is allocated.)
         self.index.pol(obj).admit(obj, ns)
         return True
-
-    def forget_overlapping(self, srv: ServerRecord, overlapping: list[tuple[int, Held]]) -> None:
-        """Records of ``srv`` whose DRAM range turned out to be another's (its
-        report complete, :func:`~gcache.meta.parked.reported_ranges`): forgotten
-        without freeing anything (the server's record at that offset belongs to
-        the first one)."""
-        index = self.index
-        for off, what in overlapping:
-            self.counters["report_invalid"] += 1
-            if isinstance(what, ParkedChunk):
-                del what.ranges[off]
-                del srv.parked[off]
-                what.skip.add(off)
-            elif isinstance(what, Parked):
-                what.allocated = False
-                self.books.unpark(what)
-            elif what.state == LIVE:
-                entry = what.entry
-                nss = index.namespaces.values()
-                ns = next(n for n in nss if n.entries.get(entry.key) is entry)
-                index.unlink(ns, entry, what.group)
-                what.state = GONE
-                index.prune(ns, entry)

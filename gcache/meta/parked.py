@@ -20,11 +20,8 @@ books means for a server (dropping or freeing the ranges) is
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
-
-from gcache.meta.records import ObjectRecord, Parked, ParkedChunk, ServerRecord
+from gcache.meta.records import Parked, ParkedChunk, ServerRecord
 
 
 class ParkedBooks:
@@ -161,44 +158,3 @@ class ParkedBooks:
 
     def stats(self) -> dict[str, int]:
         return {"parked_objects": len(self)}
-
-
-Held = ObjectRecord | Parked | ParkedChunk
-Ranges = tuple["np.ndarray[Any, Any]", "np.ndarray[Any, Any]"]  # (offsets, lengths)
-
-
-def reported_ranges(
-    srv: ServerRecord, books: ParkedBooks
-) -> tuple[list[tuple[int, int]] | Ranges, list[tuple[int, Held]]]:
-    """Every DRAM range of a server whose report completes (adopted, parked one by
-    one or in chunks), by offset, and apart those overlapping an earlier one (with
-    what holds each). In the usual case, nothing overlapping, as two arrays
-    (offsets, lengths) checked at once, without a tuple per range."""
-    reported = srv.reported
-    assert reported is not None
-    n = len(reported)
-    offs = np.fromiter(reported.keys(), np.int64, n)
-    lens = np.fromiter((o.length for o in reported.values()), np.int64, n)
-    more = [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
-    for chunk in books.chunks_of(srv):
-        more += chunk.ranges.items()
-    if more:
-        offs = np.concatenate([offs, np.fromiter((r[0] for r in more), np.int64, len(more))])
-        lens = np.concatenate([lens, np.fromiter((r[1] for r in more), np.int64, len(more))])
-    order = np.argsort(offs, kind="stable")
-    offs, lens = offs[order], lens[order]
-    mask = srv.allocator.align - 1
-    ends = offs + ((lens + mask) & ~mask)
-    if bool((offs[1:] >= ends[:-1]).all()):
-        return (offs, lens), []
-    used: list[tuple[int, int]] = []
-    cursor = 0
-    overlapping: list[tuple[int, Held]] = []
-    for off, length in zip(offs.tolist(), lens.tolist(), strict=True):
-        if off < cursor:
-            mine = reported.get(off)
-            overlapping.append((off, mine if mine is not None else srv.parked[off]))
-            continue
-        used.append((off, length))
-        cursor = off + ((length + mask) & ~mask)
-    return used, overlapping

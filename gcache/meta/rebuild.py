@@ -43,9 +43,10 @@ from operator import attrgetter
 from gcache.config import MetaConfig
 from gcache.keys import KEY_SIZE
 from gcache.meta.adopt import Adoption, parked_from
+from gcache.meta.completion import complete_report
 from gcache.meta.index import Index
 from gcache.meta.membership import Membership
-from gcache.meta.parked import ParkedBooks, reported_ranges
+from gcache.meta.parked import ParkedBooks
 from gcache.meta.records import (
     BlockEntry,
     NamespaceRecord,
@@ -54,7 +55,6 @@ from gcache.meta.records import (
     ServerRecord,
 )
 from gcache.meta.streams import StreamMerge, in_order, merged
-from gcache.storage.allocator import SegmentAllocator
 from gcache.storage.columns import Columns, columns_of, concat
 
 # While at most this many records wait for a parent, they are retried after every
@@ -360,15 +360,8 @@ class Rebuild:
         """The report of ``srv`` is complete: build its allocator with every
         reported DRAM range (adopted or parked) used, from the gaps between them
         (no allocation per range), then open it for placement."""
-        used, overlapping = reported_ranges(srv, self.books)
-        alloc = SegmentAllocator.with_used(srv.allocator.capacity, srv.allocator.align, used)
-        for p in srv.parked.values():
-            p.allocated = True
-        srv.allocator = alloc
-        srv.reported = None
+        complete_report(srv, self.books, self.index, self.counters)
         self.members.invalidate()
-        self.counters["reports_completed"] += 1
-        self.adoption.forget_overlapping(srv, overlapping)
 
     def adopt_parked_namespace(self, ns: NamespaceRecord, now: float) -> int:
         """``ns`` was registered: adopt what was reported for it (its parked chunks
