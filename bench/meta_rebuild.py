@@ -174,8 +174,7 @@ def chunk_body(recs: list[StoredRecord], fmt: str) -> Any:
         return pb.ReportObjectsRequest(columns=columns.encode(recs))
     fields = ("namespace", "key", "parent", "pos", "group", "tier", "offset", "length")
     objects = [
-        pb.StoredObject(sums=r.sums, seq=r.seq, **{f: getattr(r, f) for f in fields})
-        for r in recs
+        pb.StoredObject(sums=r.sums, seq=r.seq, **{f: getattr(r, f) for f in fields}) for r in recs
     ]
     return pb.ReportObjectsRequest(objects=objects)
 

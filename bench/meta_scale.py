@@ -666,10 +666,14 @@ def walk(core: Any) -> dict[str, Any]:
             add("LRU heap (list + tuple items + seq ints)", item[1])
             add(num, item[0])
     for srv in core.servers.values():
-        add("server's nvme_objects (dict + tuple per NVMe object)", srv.nvme_objects)
-        for k, v in srv.nvme_objects.items():
-            add("server's nvme_objects (dict + tuple per NVMe object)", v)
+        add("server's nvme_objects (dict: NVMe address -> object)", srv.nvme_objects)
+        for k in srv.nvme_objects:
             add(num, k)
+        live = srv.allocator._live  # offset -> size of each DRAM allocation
+        add("allocator (dict: DRAM offset -> size)", live)
+        for k, v in live.items():
+            add(num, k)
+            add(num, v)
     total = sum(by.values())
     return {
         "blocks": n,

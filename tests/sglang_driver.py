@@ -249,9 +249,9 @@ def case_flat() -> dict[str, Any]:
     out["set_one"] = b.set(one, pool.get_data_page(int(src[0])))
     out["exists_one"] = b.exists(one)
     page = b.get(one, pool.get_dummy_flat_data_page())
-    out["get_one_equal"] = page is not None and bytes(
-        page.view(torch.uint8).numpy()
-    ) == pages(pool, src[:PAGE])[0]
+    out["get_one_equal"] = (
+        page is not None and bytes(page.view(torch.uint8).numpy()) == pages(pool, src[:PAGE])[0]
+    )
     out["get_absent"] = b.get("absent-key", pool.get_dummy_flat_data_page()) is None
     # the zero-copy namespace never sees flat pages: other bytes, other keys
     zc = backend(pool, storage_config(page_first=False))

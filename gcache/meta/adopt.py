@@ -252,7 +252,7 @@ class Adoption:
             gbytes[g] += length
             if tier:
                 s.nvme_bytes += length
-                s.nvme_objects[off] = (obj, ns)
+                s.nvme_objects[off] = obj
                 nnew.append(obj)
             else:
                 dnew.append(obj)

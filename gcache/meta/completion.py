@@ -94,8 +94,7 @@ def forget_overlapping(
             books.unpark(what)
         elif what.state == LIVE:
             entry = what.entry
-            nss = index.namespaces.values()
-            ns = next(n for n in nss if n.entries.get(entry.key) is entry)
+            ns = index.ns_of(entry)
             index.unlink(ns, entry, what.group)
             what.state = GONE
             index.prune(ns, entry)

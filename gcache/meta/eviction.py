@@ -52,6 +52,12 @@ def evictable(obj: ObjectRecord, ns: NamespaceRecord) -> bool:
     return kids(obj) == 0
 
 
+def _candidate(item: HeapItem) -> bool:
+    """A heap item still names an evictable object as it was pushed."""
+    stamp, _, obj, ns = item
+    return stamp == obj.last_access and evictable(obj, ns)
+
+
 class EvictionPolicy(Protocol):
     name: str
 
@@ -108,6 +114,8 @@ class LRUPolicy:
         # Items admitted in bulk (admit_many) not in the heap yet: merged, with one
         # heapify when many, before the heap is next read or pushed to.
         self._pending: list[HeapItem] = []
+        self.pending_min = 1 << 16  # pending items are filtered past this many (and
+        self._pending_check = self.pending_min  # twice what a filter left)
 
     def _merge(self) -> None:
         pending, heap = self._pending, self._heap
@@ -157,6 +165,12 @@ class LRUPolicy:
         ]
         self._pending += items
         self.pushes += len(items)
+        if len(self._pending) > self._pending_check:
+            # A rebuild adopts a prompt's blocks over several chunks: an object
+            # admitted as a leaf has children by now (it comes back through
+            # became_leaf when they go). Keep only the candidates.
+            self._pending = [it for it in self._pending if _candidate(it)]
+            self._pending_check = 2 * len(self._pending) + self.pending_min
 
     def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
         if evictable(obj, ns):

@@ -117,7 +117,7 @@ class Index:
                 entry.parent.hot += 1
         if obj.tier:
             srv.nvme_bytes += obj.length
-            srv.nvme_objects[obj.offset] = (obj, ns)
+            srv.nvme_objects[obj.offset] = obj
 
     def record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
         """Queue a committed DRAM object for its server's manifest (the next
@@ -137,6 +137,11 @@ class Index:
         elif n > bound:
             srv.adopt_overflow += 1
             self.counters["adopt_overflow"] += 1
+
+    def ns_of(self, entry: BlockEntry) -> NamespaceRecord:
+        """The namespace ``entry`` is in (a scan of the namespaces: for rare paths,
+        the records do not point back to it)."""
+        return next(n for n in self.namespaces.values() if n.entries.get(entry.key) is entry)
 
     # ---- requests: namespace, keys, access -------------------------------------------
 
@@ -287,8 +292,7 @@ class Index:
                     self.leaf_now(parent, ns)
         if obj.tier:
             srv.nvme_bytes -= obj.length
-            got = srv.nvme_objects.get(obj.offset)
-            if got is not None and got[0] is obj:
+            if srv.nvme_objects.get(obj.offset) is obj:
                 del srv.nvme_objects[obj.offset]
         srv.objects -= 1
         obj.unlink()

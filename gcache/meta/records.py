@@ -260,8 +260,8 @@ class ServerRecord:
         self.nvme_read_gbps = 0.0
         self.nvme_write_gbps = 0.0
         self.nvme_bytes = 0  # NVMe objects in the index plus demotions in flight
-        # NVMe address -> (object, namespace): for objects the server reports lost.
-        self.nvme_objects: dict[int, tuple[ObjectRecord, NamespaceRecord]] = {}
+        # NVMe address -> object: for objects the server reports lost.
+        self.nvme_objects: dict[int, ObjectRecord] = {}
         self.nvme_used_reported = 0  # what the server says its tier holds
         # While the server's report is not complete: its reported DRAM objects by
         # offset (the allocator is built from them at the end); None once complete.

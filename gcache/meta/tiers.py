@@ -444,10 +444,10 @@ class Tiers:
         n = 0
         hit: list[tuple[NamespaceRecord, ObjectRecord]] = []
         for off, length in ranges:  # first forget every lost one...
-            got = srv.nvme_objects.get(off)
-            if got is None or got[0].length != length or got[0].state != LIVE:
+            obj = srv.nvme_objects.get(off)
+            if obj is None or obj.length != length or obj.state != LIVE:
                 continue
-            obj, ns = got
+            ns = self.index.ns_of(obj.entry)
             self.index.unlink(ns, obj.entry, obj.group)
             obj.state = GONE  # nothing to free: the server has deleted it
             self.index.pol(obj).evicted(obj, ns)

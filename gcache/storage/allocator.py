@@ -59,6 +59,7 @@ class SegmentAllocator:
         "_free_start",
         "_live",
         "_shift",
+        "_sizes",
         "_used",
     )
 
@@ -72,6 +73,8 @@ class SegmentAllocator:
         self._capacity = capacity & ~(align - 1)
         self._used = 0
         self._live: dict[int, int] = {}  # offset -> size of live allocations
+        # Each distinct size as one int object (few sizes, millions of allocations).
+        self._sizes: dict[int, int] = {}
         self._free_start: dict[int, int] = {}  # start -> size of free blocks
         self._free_end: dict[int, int] = {}  # end -> start of free blocks
         # dicts (not sets) so iteration order is insertion order: deterministic.
@@ -150,7 +153,10 @@ class SegmentAllocator:
                 raise ValueError(
                     f"range ({int(offs[i])}, {int(sizes[i])}) overlaps, is misaligned or outside"
                 )
-            self._live = dict(zip(offs.tolist(), sizes.tolist(), strict=True))
+            same = self._sizes
+            self._live = dict(
+                zip(offs.tolist(), [same.setdefault(x, x) for x in sizes.tolist()], strict=True)
+            )
             before = np.concatenate([np.zeros(1, ends.dtype), ends[:-1]])
             for i in np.flatnonzero(offs > before).tolist():  # the gaps: free blocks
                 self._insert(int(before[i]), int(offs[i] - before[i]))
@@ -168,7 +174,7 @@ class SegmentAllocator:
                 raise ValueError(f"range ({off}, {size}) overlaps, is misaligned or outside")
             if off > cursor:
                 self._insert(cursor, off - cursor)
-            live[off] = size
+            live[off] = self._sizes.setdefault(size, size)
             total += size
             cursor = off + size
         if cursor < self._capacity:
@@ -191,7 +197,7 @@ class SegmentAllocator:
         block = self._remove(start)
         if block > size:
             self._insert(start + size, block - size)
-        self._live[start] = size
+        self._live[start] = self._sizes.setdefault(size, size)
         self._used += size
         return start
 

@@ -28,9 +28,7 @@ def uneven() -> LayoutSpec:
     small = LayerSpec("full", kv_heads=1, k_head_dim=8, v_head_dim=8)
     swa_big = LayerSpec("swa", kv_heads=2, k_head_dim=8, v_head_dim=4, window=8)
     swa_small = LayerSpec("swa", kv_heads=1, k_head_dim=4, v_head_dim=4, window=8)
-    return LayoutSpec(
-        block_size=4, dtype="float16", layers=(big, swa_big, small, swa_small, big)
-    )
+    return LayoutSpec(block_size=4, dtype="float16", layers=(big, swa_big, small, swa_small, big))
 
 
 def test_unequal_layers_are_hits_after_kill9_of_server_and_meta(tmp_path: Path) -> None:
@@ -39,9 +37,7 @@ def test_unequal_layers_are_hits_after_kill9_of_server_and_meta(tmp_path: Path) 
         client = GCacheClient(d.client_config(timeout_s=2.0))
         ns = client.register_namespace("uneven-layers", uneven())
         layout = ns.layout
-        sizes = [
-            layout.layer_k_bytes[i] + layout.layer_v_bytes[i] for i in layout.group_layers[0]
-        ]
+        sizes = [layout.layer_k_bytes[i] + layout.layer_v_bytes[i] for i in layout.group_layers[0]]
         assert len(set(sizes)) > 1, "the full group's layers differ in size"
         prompts = [tokens(NTOK, seed=s) for s in range(PROMPTS)]
         kvs = [make_kv(layout, NTOK, seed=s) for s in range(PROMPTS)]

@@ -147,7 +147,7 @@ def test_server_sim_completes_every_demotion() -> None:
     s = core.stats()
     assert s["demotions_done"] == s["demotions_issued"] == sim.demotions > 0
     assert s["demotions_in_flight"] == 0
-    on_nvme = [o for o, _ in srv.nvme_objects.values()]
+    on_nvme = list(srv.nvme_objects.values())
     assert on_nvme and all(o.tier == 1 for o in on_nvme)
     assert len({o.offset for o in on_nvme}) == len(on_nvme)  # distinct NVMe addresses
 
