@@ -118,7 +118,8 @@ class LRUPolicy:
         self._pending_check = self.pending_min  # twice what a filter left)
 
     def _merge(self) -> None:
-        pending, heap = self._pending, self._heap
+        pending, heap = [it for it in self._pending if _candidate(it)], self._heap
+        self._pending = pending
         if len(pending) * 16 < len(heap):
             for item in pending:
                 heapq.heappush(heap, item)
