@@ -355,9 +355,7 @@ class RemovalWatcher:
                 return True
             if len(self._threads) >= self.max_namespaces:
                 return False
-            t = threading.Thread(
-                target=self._run, args=(fp,), name="gcache-removals", daemon=True
-            )
+            t = threading.Thread(target=self._run, args=(fp,), name="gcache-removals", daemon=True)
             self._threads[fp] = t
         t.start()
         return True

@@ -350,4 +350,3 @@ class EngineService:
             cancelled.set()  # the client went away: stop generating
             raise
         return resp
-

@@ -28,7 +28,6 @@ The package: :mod:`.model` (layout, KV rows and identity of a model), :mod:`.cac
 imports go that way only. torch and transformers are imported by this package only.
 """
 
-
 from __future__ import annotations
 
 from gcache_client.engines.hf.cache import GCachePrefixCache as GCachePrefixCache

@@ -183,5 +183,3 @@ class GCachePrefixCache(DynamicCache):  # type: ignore[misc]
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         self._gc_ensure(layer_idx)
         return super().get_mask_sizes(query_length, layer_idx)  # type: ignore[no-any-return]
-
-

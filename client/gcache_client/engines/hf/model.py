@@ -104,4 +104,3 @@ def peft_identity(model: Any, cache: dict[tuple[Any, ...], str] | None = None) -
                 cache[key] = fp
         parts.append(f"lora={name}@{fp}")
     return ",".join(parts)
-

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,7 @@ from gcache import layout as laymod
 from gcache import wire
 from gcache.config import ClientConfig
 from gcache.errors import ConfigError, GCacheError, LayoutError
+from gcache_client.engines.background import BackgroundStores
 from gcache_client.engines.vllm.cpus import parse_cpu_list
 from gcache_client.sync import GCacheClient
 from gcache_client.types import KVPair, Match, Namespace, PutResult
@@ -98,9 +98,7 @@ class BridgeConfig:
         if self.max_namespaces < 1:
             raise ConfigError(f"max_namespaces must be >= 1, got {self.max_namespaces}")
         if self.max_reported_blocks < 1:
-            raise ConfigError(
-                f"max_reported_blocks must be >= 1, got {self.max_reported_blocks}"
-            )
+            raise ConfigError(f"max_reported_blocks must be >= 1, got {self.max_reported_blocks}")
         self.client.check()
 
     @classmethod
@@ -236,8 +234,9 @@ class KVBridge:
         self.client = GCacheClient(config.client)
         self._ns: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcache-store")
-        self._pending: list[Future[PutResult | None]] = []
+        self._stores: BackgroundStores[PutResult | None] = BackgroundStores(
+            self.config.max_pending_stores, "gcache-store"
+        )
         self.counters: Counter[str] = Counter()
 
     @property
@@ -315,19 +314,11 @@ class KVBridge:
         """Store ``tokens``' KV in the background. ``kv`` must stay untouched until
         the store is done (the put writes straight from it). At most
         ``max_pending_stores`` run at once: past that, this call waits for the oldest."""
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
-            oldest = (
-                self._pending[0] if len(self._pending) >= self.config.max_pending_stores else None
-            )
-        if oldest is not None:
+        fut, waited = self._stores.submit(self._store, tokens, kv, key)
+        if waited:
             self.counters["store_waits"] += 1
-            oldest.result()
-        fut = self._pool.submit(self._store, tokens, kv, key)
         if done is not None:
             fut.add_done_callback(lambda f: done(f.result()))
-        with self._lock:
-            self._pending.append(fut)
 
     def _store(self, tokens: np.ndarray, kv: list[KVPair], key: KVKey) -> PutResult | None:
         t0 = self._clock()
@@ -349,23 +340,19 @@ class KVBridge:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every background store."""
-        with self._lock:
-            pending = list(self._pending)
-        for f in pending:
-            f.result(timeout)
+        self._stores.flush(timeout)
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counters)
         out.update({f"client_{k}": v for k, v in self.client.stats().items()})
-        with self._lock:
-            out["pending_stores"] = sum(not f.done() for f in self._pending)
+        out["pending_stores"] = self._stores.in_flight()
         return out
 
     def close(self) -> None:
         try:
             self.flush(self.config.client.timeout_s * 4)
         finally:
-            self._pool.shutdown(wait=False)
+            self._stores.shutdown()
             self.client.close()
 
 

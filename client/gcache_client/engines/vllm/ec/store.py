@@ -36,7 +36,6 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +45,7 @@ import torch
 from gcache import layout as laymod
 from gcache.config import ClientConfig
 from gcache.errors import ConfigError, GCacheError
+from gcache_client.engines.background import BackgroundStores
 from gcache_client.engines.vllm.core import settings_from_extra
 from gcache_client.sync import GCacheClient
 from gcache_client.types import Namespace
@@ -202,8 +202,9 @@ class ECStore:
         self.client = GCacheClient(config.client)
         self._ns: OrderedDict[tuple[str, int, str], Namespace] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gcache-ec-store")
-        self._pending: list[Future[bool]] = []
+        self._stores: BackgroundStores[bool] = BackgroundStores(
+            self.config.max_pending_stores, "gcache-ec-store"
+        )
         self.counters: Counter[str] = Counter()
 
     def _count(self, **kw: int) -> None:
@@ -344,28 +345,17 @@ class ECStore:
         this call waits for the oldest: backpressure, counted as ``store_waits``).
         The tensor is copied (with its header) before this returns only when it
         runs; vLLM never writes into an encoder output it cached."""
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
-            oldest = (
-                self._pending[0] if len(self._pending) >= self.config.max_pending_stores else None
-            )
-        if oldest is not None:
+        _, waited = self._stores.submit(self.store, identifier, t, salt)
+        if waited:
             self._count(store_waits=1)
-            oldest.result()
-        fut = self._pool.submit(self.store, identifier, t, salt)
-        with self._lock:
-            self._pending.append(fut)
 
     def flush(self, timeout: float | None = None) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        for f in pending:
-            f.result(timeout)
+        self._stores.flush(timeout)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = dict(self.counters)
-            out["pending_stores"] = sum(not f.done() for f in self._pending)
+        out["pending_stores"] = self._stores.in_flight()
         return out
 
     def close(self) -> None:
@@ -374,5 +364,5 @@ class ECStore:
         except Exception as exc:  # a store stuck past its timeouts: logged, not raised
             log.warning("GCache EC store flush at close: %s", exc)
         finally:
-            self._pool.shutdown(wait=False)
+            self._stores.shutdown()
             self.client.close()
