@@ -47,6 +47,7 @@ RSS: ``/proc/PID/status`` VmRSS after the fill minus VmRSS before it (the meta
 started, the namespace registered). ``--profile``: ``py-spy record`` on the meta
 during each fill (if ``py-spy`` is in the virtual environment or on PATH); the
 top functions by own and by total samples are printed and kept in the JSON.
+``--report-only``: the report path alone (a rebuild's figures, without the puts).
 
 Also a breakdown of where the bytes of one block go: an in-process ``MetaCore``
 of ``--breakdown-blocks`` blocks (filled as ``bench/index_memory.py`` fills one), each
@@ -256,6 +257,9 @@ def run_report(
         "meta_cpu_s": round(cpu, 3),
         "dropped": sum(d for _, d in res),
         "index_entries": int(c.get("index_entries", 0)),
+        # how the streams met: rows held by the merge, records parked on the way
+        "rows_held": int(c.get("report_rows_held_total", 0)),
+        "objects_parked": int(c.get("objects_parked", 0)),
         "rss_before_mib": round(before["VmRSS"] / 1024, 1),
         "rss_after_mib": round(after["VmRSS"] / 1024, 1),
         "rss_peak_mib": round(after["VmHWM"] / 1024, 1),
@@ -773,7 +777,7 @@ def run_size(n: int, args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     prof = os.path.join(out_dir, f"meta-scale-{n}-%s.txt") if args.profile else ""
     report = run_report(prompts, args, prof % "report" if prof else "")
     print(f"#   report path: {report['rebuild_s']:.1f} s", file=sys.stderr, flush=True)
-    puts = run_puts(prompts, args, prof % "puts" if prof else "")
+    puts = None if args.report_only else run_puts(prompts, args, prof % "puts" if prof else "")
     return {
         "blocks": blocks,
         "prompts": {str(b * BS): c for b, c in counts.items()},
@@ -791,6 +795,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         p, rep = r["puts"], r["report"]
+        if p is None:  # --report-only
+            lines.append(
+                f"{r['blocks']:>10} {'-':>6} {'-':>13} {rep['rss_bytes_per_block']:>11.0f} B "
+                f"{'-':>{20 * len(PROMPT_TOKENS) + 18}} {rep['rebuild_s']:>11.2f}"
+            )
+            continue
         ev = p["eviction"]
         looks = []
         for t in PROMPT_TOKENS:
@@ -825,6 +835,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lease", action="store_true", help="leased lookups (+ release)")
     ap.add_argument("--breakdown-blocks", type=parse_count, default=100_000)
     ap.add_argument("--profile", action="store_true", help="py-spy on the meta during fills")
+    ap.add_argument("--report-only", action="store_true", help="the report path (rebuild) only")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -860,6 +871,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     for r in rows:
         for path in ("report", "puts"):
+            if r[path] is None:
+                continue
             top = r[path]["profile"]
             if top.get("own"):
                 print(f"\n# py-spy, {r['blocks']} blocks, {path} fill: "

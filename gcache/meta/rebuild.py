@@ -54,7 +54,7 @@ from gcache.meta.records import (
     ParkedChunk,
     ServerRecord,
 )
-from gcache.meta.streams import StreamMerge, in_order, merged
+from gcache.meta.streams import PACE_SLACK_ROWS, StreamMerge, in_order, merged
 from gcache.storage.columns import Columns, columns_of, concat
 
 # While at most this many records wait for a parent, they are retried after every
@@ -299,9 +299,14 @@ class Rebuild:
         return []
 
     def deferred_of(self, server_id: str) -> int:
-        """Records of ``server_id``'s last chunk still waiting for a parent."""
+        """Records of ``server_id``'s stream that wait for the others (what
+        ``meta/pacing.py`` holds the stream on): those of its last chunk still
+        missing a parent, and its rows held by the merge past a slack of
+        :data:`~gcache.meta.streams.PACE_SLACK_ROWS` (a stream that far ahead
+        waits, so the merge's bound is not reached and nothing is parked)."""
         recs = self._deferred.get(server_id) if self._deferred else None
-        return (len(recs) if recs else 0) + self.streams.held_of(server_id)
+        ahead = self.streams.held_of(server_id) - PACE_SLACK_ROWS
+        return (len(recs) if recs else 0) + max(ahead, 0)
 
     def _retry_parents(self, now: float) -> int:
         """Adopt, in block order, the parked records whose parent block is now in

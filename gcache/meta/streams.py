@@ -31,6 +31,9 @@ from gcache.storage.columns import Columns, concat, split
 # Rows held, all streams together; past it a chunk is handed out whole.
 MAX_HELD_ROWS: Final = 1 << 17
 NO_LIMIT: Final = 1 << 62
+# Rows a stream may have held before the report pacer holds the stream itself
+# (``Rebuild.deferred_of``): two chunks of 2048.
+PACE_SLACK_ROWS: Final = 4096
 
 Part = tuple[ServerRecord, Columns]
 T = TypeVar("T")
