@@ -22,7 +22,6 @@ from gcache.meta.records import (
     ObjectRecord,
     Parked,
     ParkedChunk,
-    RingNode,
     ServerRecord,
     group_layer_bytes,
 )
@@ -118,6 +117,7 @@ class Adoption:
         gbytes: list[int] = []
         groups = 0
         full: int | None = None
+        link = self.index.link_object
         policy, nvme_policy = self.index.policy, self.index.nvme_policy
         dnew: list[ObjectRecord] = []  # admitted in bulk (admit_many) per namespace run
         nnew: list[ObjectRecord] = []
@@ -125,9 +125,7 @@ class Adoption:
         held: dict[int, ObjectRecord] | None = None
         sparked: dict[int, Parked | ParkedChunk] = {}
         mask = cap = 0
-        ring: RingNode | None = None  # cur's ring of ns (Index.link_object, inlined)
         mine = 0  # objects of cur adopted (credited when cur changes)
-        holes = 0  # ns.full_holes to add (an entry made: +1, its full object linked: -1)
         rows = zip(
             zip(*cols.fields(), strict=True),
             origin if origin is not None else repeat(None, n),
@@ -146,7 +144,6 @@ class Adoption:
                     credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
                 mine = 0
                 cur = s
-                ring = None
                 held = s.reported
                 sparked = s.parked
                 mask = s.allocator.align - 1
@@ -170,10 +167,7 @@ class Adoption:
                 dropped += 1
                 continue
             if nsf != fp or ns is None:
-                ring = None
                 if ns is not None:
-                    ns.full_holes += holes
-                    holes = 0
                     self.index.add_group_bytes(ns, gbytes)
                     if dnew:
                         policy.admit_many(dnew, ns)
@@ -206,7 +200,7 @@ class Adoption:
                 entry = entries[key] = BlockEntry(key, parent, pos, groups)
                 created += 1
                 if full is not None:
-                    holes += 1
+                    ns.full_holes += 1
                 if parent is not None:
                     parent.children += 1
             if (
@@ -218,8 +212,6 @@ class Adoption:
                 rec = orig or mk(row, s, own, now)
                 counters["report_invalid"] += 1
                 self.release_parked(rec)
-                ns.full_holes += holes  # (prune counts on it)
-                holes = 0
                 self.index.prune(ns, entry)
                 dropped += 1
                 continue
@@ -234,25 +226,10 @@ class Adoption:
             last = base + (seq if seq < 10**9 else 10**9) * 1e-9
             # (the layout's length, equal to the row's: one int object for all)
             obj = ObjectRecord(entry, g, s, off, sizes[g], sums, last, "", tier)
-            # Index.link_object, inlined (a rebuild links millions):
-            entry.objects[g] = obj
-            if ring is None:
-                ring = s.ring(ns.ns_id)
-            nxt = ring.next_on
-            obj.prev_on = ring
-            obj.next_on = nxt
-            nxt.prev_on = obj
-            ring.next_on = obj
-            s.objects += 1
-            if g == full:
-                holes -= 1
-                if tier == 0 and entry.parent is not None:
-                    entry.parent.hot += 1
+            link(ns, entry, obj)
             nbytes += length
             gbytes[g] += length
             if tier:
-                s.nvme_bytes += length
-                s.nvme_objects[off] = obj
                 nnew.append(obj)
             else:
                 dnew.append(obj)
@@ -263,7 +240,6 @@ class Adoption:
         if mine and credit is not None and cur is not None:
             credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
         if ns is not None:
-            ns.full_holes += holes
             self.index.add_group_bytes(ns, gbytes)
             if dnew:
                 policy.admit_many(dnew, ns)
