@@ -271,6 +271,14 @@ class MetaConfig:
         zero_ok=True,
         default=1.0,
     )
+    pressure_heartbeat_s: float = _doc(
+        "while a server with an NVMe tier is past demote_watermark, or would pass it "
+        "within a second at its recent write rate, the meta asks its heartbeats this "
+        "often (instead of heartbeat_interval_s), so demotions a waiting put queued "
+        "start at once; 0: off",
+        zero_ok=True,
+        default=0.05,
+    )
     adopt_outbox: int = _doc(
         "in-process drivers' commits queued per server for its manifest (sent in the "
         "next heartbeat reply; clients' puts are recorded by the server at the write); "

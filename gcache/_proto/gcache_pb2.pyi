@@ -233,7 +233,7 @@ class Range(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme", "promote", "more", "epoch")
+    __slots__ = ("reregister", "free", "adopt", "demote", "drop_nvme", "promote", "more", "epoch", "next_beat_s")
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     ADOPT_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class HeartbeatReply(_message.Message):
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BEAT_S_FIELD_NUMBER: _ClassVar[int]
     reregister: bool
     free: _containers.RepeatedCompositeFieldContainer[Range]
     adopt: _containers.RepeatedCompositeFieldContainer[StoredObject]
@@ -250,7 +251,8 @@ class HeartbeatReply(_message.Message):
     promote: _containers.RepeatedCompositeFieldContainer[PromoteCommand]
     more: bool
     epoch: int
-    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    next_beat_s: float
+    def __init__(self, reregister: _Optional[bool] = ..., free: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., adopt: _Optional[_Iterable[_Union[StoredObject, _Mapping]]] = ..., demote: _Optional[_Iterable[_Union[DemoteCommand, _Mapping]]] = ..., drop_nvme: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., promote: _Optional[_Iterable[_Union[PromoteCommand, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ..., next_beat_s: _Optional[float] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model", "revision", "layout_json", "tp_size", "tp_rank", "cache_salt", "kv_dtype", "kv_identity")

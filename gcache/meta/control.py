@@ -391,6 +391,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             ],
             more=out.more,
             epoch=self.core.epoch,
+            next_beat_s=out.next_beat_s,
         )
 
     async def RegisterNamespace(self, request: Any, context: Any) -> Any:

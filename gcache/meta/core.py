@@ -121,6 +121,7 @@ COUNTERS = (
     "demotions_ahead",
     "puts_told_to_wait",
     "puts_waited",
+    "pressure_beats",
     "demotion_behind",
     "demotion_behind_waits",
     "watermark_passes_cut",

@@ -13,7 +13,7 @@ from typing import TypeVar
 from gcache.config import MetaConfig
 from gcache.meta.membership import Membership
 from gcache.meta.promotion import Promoter
-from gcache.meta.records import LIVE
+from gcache.meta.records import LIVE, ServerRecord
 from gcache.meta.tiers import (
     MAX_ADOPT_PER_REPLY,
     MAX_DEMOTE_PER_REPLY,
@@ -26,6 +26,10 @@ from gcache.meta.tiers import (
 )
 
 T = TypeVar("T")
+
+# How far ahead a server's recent write rate is projected against its demote
+# watermark (about one regular heartbeat interval): see Heartbeats.next_beat.
+PRESSURE_HORIZON_S = 1.0
 
 
 def _take(items: list[T], n: int) -> list[T]:
@@ -71,7 +75,7 @@ class Heartbeats:
         srv = self.members.servers.get(server_id)
         if srv is None or not srv.alive or srv.incarnation != incarnation:
             return HeartbeatOut(reregister=True)
-        srv.last_seen = now
+        since, srv.last_seen = now - srv.last_seen, now
         srv.counters = counters
         srv.nvme_used_reported = nvme_used
         out = HeartbeatOut()
@@ -107,7 +111,28 @@ class Heartbeats:
         # Cut by a per-reply bound: the server asks again at once, so an outbox
         # drains at round-trip speed.
         out.more = bool(srv.adopt_out or srv.demote_out or srv.drop_out or srv.promote_out)
+        out.next_beat_s = self.next_beat(srv, since)
         return out
+
+    def next_beat(self, srv: ServerRecord, since: float) -> float:
+        """How soon ``srv`` should heartbeat again (``since``: seconds since its last
+        one): ``pressure_heartbeat_s`` while its DRAM (allocated, demotions in
+        flight included) is past ``demote_watermark`` or would pass it within
+        ``PRESSURE_HORIZON_S`` at the rate puts were placed on it since the last
+        beat; else 0 (the server's own interval). A put that
+        finds DRAM full queues demotions in the server's outbox, and the server
+        learns of them at its next heartbeat: at the regular interval that alone
+        could outlast the put's wait (``put_wait_s``) and make it drop objects."""
+        placed, srv.placed_since_beat = srv.placed_since_beat, 0
+        cfg = self.cfg
+        if not (cfg.demote and srv.nvme_capacity and cfg.pressure_heartbeat_s > 0):
+            return 0.0
+        rate = placed / max(since, cfg.pressure_heartbeat_s)  # bytes/s
+        watermark = cfg.demote_watermark * srv.allocator.capacity
+        if srv.allocator.used + rate * PRESSURE_HORIZON_S >= watermark:
+            self.counters["pressure_beats"] += 1
+            return cfg.pressure_heartbeat_s
+        return 0.0
 
     def tier_stats(self) -> dict[str, float]:
         live = [s for s in self.members.servers.values() if s.alive]

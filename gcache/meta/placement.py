@@ -173,6 +173,7 @@ class Placement:
                         if off is not None and only is not None:
                             placed.append((i, g, only, off, size))
                             budget.alloc -= size
+                            only.placed_since_beat += size
                         else:
                             where = self._allocate(size, budget, now)
                             if where is None:
@@ -222,6 +223,7 @@ class Placement:
             srv.recent_write *= 2.0 ** (-dt / self.cfg.write_balance_s)
             srv.recent_at = now
         srv.recent_write += size
+        srv.placed_since_beat += size
 
     def _allocate(
         self, size: int, budget: Budget, now: float = 0.0

@@ -214,6 +214,7 @@ class ServerRecord:
         "objects",
         "parked",
         "pending_bytes",
+        "placed_since_beat",
         "promote_out",
         "promoting",
         "promoting_bytes",
@@ -296,6 +297,8 @@ class ServerRecord:
         # Bytes placed here recently (decayed), for placement's write balance.
         self.recent_write = 0.0
         self.recent_at = now
+        # Bytes placed here since its last heartbeat (Heartbeats.next_beat).
+        self.placed_since_beat = 0
 
     @property
     def ready(self) -> bool:

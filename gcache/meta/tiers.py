@@ -123,6 +123,8 @@ class HeartbeatOut:
     promote: list[tuple[ObjectRecord, NamespaceRecord, int]] = field(default_factory=list)
     # records still queued past this reply's bounds: the server heartbeats again now
     more: bool = False
+    # > 0: the server heartbeats again within this many seconds (DRAM pressure)
+    next_beat_s: float = 0.0
 
 
 def held(srv: ServerRecord, length: int) -> int:

@@ -209,12 +209,13 @@ class ControlLoop:
         interval = self.cfg.heartbeat_interval_s
         failing = 0
         more = False  # the last reply was cut by its bounds: ask again at once
+        soon_s = 0.0  # > 0: the last reply asked for the next beat this soon (DRAM pressure)
         while not self._stopping.is_set():
             if more:
                 await asyncio.sleep(0)  # yield to the data path, then heartbeat
                 if self._stopping.is_set():
                     return
-            elif await self._pause(interval, failing > 0):
+            elif await self._pause(min(interval, soon_s) if soon_s > 0 else interval, failing > 0):
                 return
             more = False
             self.beat_soon.clear()  # this beat carries every result so far
@@ -235,6 +236,7 @@ class ControlLoop:
                 if not failing:  # one line per outage, not one per beat
                     log.warning("heartbeat to meta %s failed: %s", where, exc.details())
                 failing += 1
+                soon_s = 0.0
                 if several:  # the leader died, paused or stepped down: find it
                     raise _Switch(exc.details() or "") from exc
                 continue
@@ -258,3 +260,4 @@ class ControlLoop:
                 await self.register(stub, where)
             else:
                 more = reply.more
+                soon_s = reply.next_beat_s

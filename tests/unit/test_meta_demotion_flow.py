@@ -348,3 +348,45 @@ def test_waiting_put_keeps_pinned_and_leased_objects() -> None:
         put(core, fp, n, 100.0, wait=True)
     srv = core.servers["s0"]
     assert all(o.state == LIVE and o.pins == 1 for o, _ in srv.demoting.values())
+
+
+def test_heartbeat_reply_asks_for_the_next_beat_soon_under_dram_pressure() -> None:
+    """A reply asks for the next heartbeat within ``pressure_heartbeat_s`` while the
+    rate puts were placed on the server since its last beat would take DRAM past
+    ``demote_watermark`` within a second (a put then finding DRAM full queues
+    demotions the server fetches at once), and leaves the server's interval alone
+    on an idle or slowly written server."""
+    core, fp = make(capacity=64 * OBJ, demote_watermark=0.8)
+    srv = Server()
+    assert srv.beat(core, 0.0).next_beat_s == 0.0  # empty and idle
+    put(core, fp, 0, now=0.5, blocks=4)  # 4 of 64 objects in a second: slow
+    assert srv.beat(core, 1.0).next_beat_s == 0.0
+    assert core.counters["pressure_beats"] == 0
+    # A fast writer: 32 objects within half a second (64 a second): projected a
+    # second ahead, DRAM passes 80 % long before the next regular beat.
+    for p in range(1, 9):
+        put(core, fp, p, now=1.0 + p * 0.05, blocks=4)
+    out = srv.beat(core, 1.5)
+    assert out.next_beat_s == core.cfg.pressure_heartbeat_s > 0
+    assert core.counters["pressure_beats"] == 1
+    # Writes stop: below the watermark, the next reply leaves the interval alone.
+    assert core.servers["s0"].allocator.used < 0.8 * 64 * OBJ
+    assert srv.beat(core, 2.5).next_beat_s == 0.0
+    # Past the watermark the server beats soon whatever the rate.
+    s0 = core.servers["s0"]
+    for p in range(9, 100):
+        put(core, fp, p, now=3.0)
+        if s0.allocator.used >= 0.8 * 64 * OBJ:  # (some of it demoting)
+            break
+    assert srv.beat(core, 13.0).next_beat_s == core.cfg.pressure_heartbeat_s
+
+
+def test_pressure_beats_off_without_a_tier_or_when_configured_off() -> None:
+    core, fp = make(nvme=0)
+    for p in range(12):
+        put(core, fp, p, now=p * 0.01, blocks=4)
+    assert Server().beat(core, 0.2).next_beat_s == 0.0
+    core, fp = make(pressure_heartbeat_s=0.0)
+    for p in range(12):
+        put(core, fp, p, now=p * 0.01, blocks=4)
+    assert Server().beat(core, 0.2).next_beat_s == 0.0
