@@ -1,0 +1,267 @@
+"""The compact index (``gcache/meta/compact.py``) against the index ``MetaCore`` runs
+on today, in process, on the same prompts.
+
+    python -m bench.compact_index [--blocks 1M,10M] [--anchor-blocks 1M] [--json FILE]
+
+Both sides get the prompts of ``bench.meta_scale`` (random 16-byte block keys, a
+third of the blocks in each of 4k, 32k and 128k-token prompts of 64-token blocks,
+MiMo-V2-Flash: a full-attention object on every block with 9 layers of 8-byte
+checksums, window objects at each prompt's end as ``Layout.groups_to_store`` says).
+
+* **compact**: ``CompactIndex.add_chain`` + ``add_objects`` per prompt (4 servers
+  in turn); a lookup is ``match`` of the full group (a binary search of probes, as
+  the meta's); a leased lookup also finds every matched block (one vectorised
+  probe) and ``touch``-es their objects; eviction is ``victim`` +
+  ``remove_object`` until 100,000 objects went.
+* **anchor** (``MetaCore``, at ``--anchor-blocks``): ``put_begin`` + ``put_commit``
+  per prompt, a lookup is ``MetaCore.lookup`` unleased, a leased one is
+  ``MetaCore.lookup(lease=True)`` + ``release`` (which also builds the reply's
+  object locations: more than the compact side does), eviction is
+  ``Index.evict_pass`` of 100,000 objects.
+
+Each side runs in its own process (RSS is not shared or reused between them). RSS
+per block: VmRSS after the fill minus VmRSS before it (the keys already in memory),
+over the blocks indexed. The compact index also prints the bytes its arrays hold.
+The two differ in scope, stated in the table: the anchor's records carry what the
+meta needs beyond this index (pins, owners, scores, rings per server, allocator
+books), which the compact index does not hold yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.meta_rebuild import descriptor, rss_kib
+from bench.meta_scale import BS, make_prompts, parse_sizes, pct, plan
+
+EVICT = 100_000
+SERVERS = 4
+
+
+def _layout() -> Any:
+    from gcache.layout import Layout, preset
+
+    return Layout(preset("mimo-v2-flash", BS))
+
+
+def run_compact(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
+    from gcache.meta.compact import CompactIndex, split_keys
+
+    layout = _layout()
+    widths = [8 * len(x) for x in layout.group_layers]
+    sizes = layout.group_object_bytes
+    prompts = make_prompts(plan(n_blocks), seed)
+    gc.collect()
+    before = rss_kib(os.getpid())
+    ix = CompactIndex(groups=layout.num_groups)
+    tick = 0
+    offset = 0
+    t0 = time.perf_counter()
+    p = 0
+    for lists in prompts.values():
+        masks = layout.groups_to_store(len(lists[0]))
+        rows = {g: np.flatnonzero([m >> g & 1 for m in masks]) for g in range(len(widths))}
+        for ks in lists:
+            ids = ix.add_chain(0, ks)
+            for g, at in rows.items():
+                n = at.size
+                if not n:
+                    continue
+                ticks = np.arange(tick, tick + n, dtype=np.uint64)
+                offs = np.arange(offset, offset + n * sizes[g], sizes[g], dtype=np.uint64)
+                ix.add_objects(
+                    ids[at], g, p % SERVERS, offs, np.full(n, sizes[g], np.uint32),
+                    np.zeros((n, widths[g]), np.uint8), ticks,
+                )  # fmt: skip
+                tick += n
+                offset += n * sizes[g]
+            p += 1
+    fill_s = time.perf_counter() - t0
+    gc.collect()
+    after = rss_kib(os.getpid())
+    blocks = ix.stats()["blocks"]
+    out: dict[str, Any] = {
+        "side": "compact",
+        "blocks": blocks,
+        "objects": ix.stats()["objects"],
+        "fill_s": round(fill_s, 2),
+        "fill_blocks_per_s": round(blocks / fill_s),
+        "rss_per_block": round((after["VmRSS"] - before["VmRSS"]) * 1024 / blocks, 1),
+        "array_bytes_per_block": round(ix.nbytes() / blocks, 1),
+    }
+    rng = np.random.default_rng(seed)
+    for length, lists in prompts.items():
+        lat, leased = [], []
+        for i in rng.integers(0, len(lists), lookups):
+            ks = lists[int(i)]
+            t = time.perf_counter()
+            n = ix.match(0, ks, 0)
+            lat.append(time.perf_counter() - t)
+            assert n == length
+            # Leased: every matched object's id (one vectorised probe) and touched.
+            t = time.perf_counter()
+            n = ix.match(0, ks, 0)
+            k0, k1 = split_keys(ks[:n])
+            tick += 1
+            ix.touch(ix.blocks.cols["obj"][ix.find(0, k0, k1), 0], tick)
+            leased.append(time.perf_counter() - t)
+        size = f"{length * BS // 1024}k"
+        out[f"lookup_{size}_p50_us"] = round(pct(lat, 50) * 1e6, 1)
+        out[f"lookup_{size}_p99_us"] = round(pct(lat, 99) * 1e6, 1)
+        out[f"leased_{size}_p99_us"] = round(pct(leased, 99) * 1e6, 1)
+    t = time.perf_counter()
+    for _ in range(EVICT):
+        ix.remove_object(ix.victim())
+    out["evict_us_per_object"] = round((time.perf_counter() - t) / EVICT * 1e6, 2)
+    return out
+
+
+def run_anchor(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
+    from gcache import wire
+    from gcache.config import MetaConfig
+    from gcache.meta.core import MetaCore
+
+    desc, spec = descriptor(BS)
+    prompts = make_prompts(plan(n_blocks), seed)
+    gc.collect()
+    before = rss_kib(os.getpid())
+    core = MetaCore(MetaConfig(adopt_outbox=max(1 << 16, 4 * n_blocks)))
+    for s in range(SERVERS):
+        addr = wire.ServerAddr(f"s{s}", "127.0.0.1", 1 + s, "h", "")
+        core.register_server(addr, bytes(16), 1, 1 << 60, 0.0)
+    ns = core.register_namespace(desc, spec)
+    layout = ns.layout
+    t0 = time.perf_counter()
+    for lists in prompts.values():
+        for ks in lists:
+            placed = core.put_begin(
+                wire.PutBegin(ns.fingerprint, ks, layout.groups_to_store(len(ks))), 1.0, 1.7e9
+            )
+            done = [
+                (j, bytes(8 * len(layout.group_layers[pl.group])))
+                for j, pl in enumerate(placed.placements)
+            ]
+            core.put_commit(wire.PutCommit(placed.put_id, done), 1.0)
+    fill_s = time.perf_counter() - t0
+    for srv in core.servers.values():
+        srv.adopt_out.clear()  # what the servers' heartbeats would take
+    gc.collect()
+    after = rss_kib(os.getpid())
+    blocks = core.entries
+    out: dict[str, Any] = {
+        "side": "anchor (MetaCore index)",
+        "blocks": blocks,
+        "objects": sum(s.objects for s in core.servers.values()),
+        "fill_s": round(fill_s, 2),
+        "fill_blocks_per_s": round(blocks / fill_s),
+        "rss_per_block": round((after["VmRSS"] - before["VmRSS"]) * 1024 / blocks, 1),
+        "array_bytes_per_block": None,
+    }
+    rng = np.random.default_rng(seed)
+    now = 2.0
+    for length, lists in prompts.items():
+        lat, leased = [], []
+        for i in rng.integers(0, len(lists), lookups):
+            ks = lists[int(i)]
+            now += 1e-6
+            t = time.perf_counter()
+            r = core.lookup(wire.Lookup(ns.fingerprint, ks), now, 1.7e9)
+            lat.append(time.perf_counter() - t)
+            assert r.blocks == length, r.blocks
+            t = time.perf_counter()
+            r = core.lookup(wire.Lookup(ns.fingerprint, ks, lease=True), now, 1.7e9)
+            core.release(r.lease_id)
+            leased.append(time.perf_counter() - t)
+        size = f"{length * BS // 1024}k"
+        out[f"lookup_{size}_p50_us"] = round(pct(lat, 50) * 1e6, 1)
+        out[f"lookup_{size}_p99_us"] = round(pct(lat, 99) * 1e6, 1)
+        out[f"leased_{size}_p99_us"] = round(pct(leased, 99) * 1e6, 1)
+    t = time.perf_counter()
+    left = EVICT
+    for srv in list(core.servers.values()):
+        left -= core.index.evict_pass(srv, max_objects=left // SERVERS + 1)[1]
+    went = EVICT - left
+    out["evict_us_per_object"] = round((time.perf_counter() - t) / max(1, went) * 1e6, 2)
+    return out
+
+
+COLS = (
+    ("side", "side"),
+    ("blocks", "blocks"),
+    ("rss_per_block", "RSS B/block"),
+    ("array_bytes_per_block", "arrays B/block"),
+    ("fill_blocks_per_s", "fill blocks/s"),
+    ("lookup_4k_p50_us", "4k p50 us"),
+    ("lookup_4k_p99_us", "4k p99"),
+    ("lookup_32k_p50_us", "32k p50"),
+    ("lookup_32k_p99_us", "32k p99"),
+    ("lookup_128k_p50_us", "128k p50"),
+    ("lookup_128k_p99_us", "128k p99"),
+    ("leased_4k_p99_us", "leased 4k p99"),
+    ("leased_32k_p99_us", "leased 32k p99"),
+    ("leased_128k_p99_us", "leased 128k p99"),
+    ("evict_us_per_object", "evict us/obj"),
+)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(h for _, h in COLS) + " |"
+    sep = "|" + "---|" * len(COLS)
+    body = [
+        "| " + " | ".join("-" if r.get(k) is None else f"{r[k]:,}" if isinstance(r[k], int)
+                          else str(r[k]) for k, _ in COLS) + " |"
+        for r in rows
+    ]  # fmt: skip
+    return "\n".join([head, sep, *body])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.compact_index", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--blocks", type=parse_sizes, default=parse_sizes("1M"))
+    ap.add_argument("--anchor-blocks", type=parse_sizes, default=parse_sizes("1M"),
+                    help="MetaCore's index at these sizes (the anchor)")  # fmt: skip
+    ap.add_argument("--lookups", type=int, default=1000, help="lookups per prompt length")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--side", choices=["compact", "anchor"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.side:  # one side in this process (the parent runs each in its own)
+        run = run_compact if args.side == "compact" else run_anchor
+        print(json.dumps(run(args.blocks[0], args.lookups, args.seed)))
+        return
+    rows = []
+    jobs = [("anchor", n) for n in args.anchor_blocks] + [("compact", n) for n in args.blocks]
+    for side, n in jobs:
+        cmd = [sys.executable, "-m", "bench.compact_index", "--side", side, "--blocks", str(n),
+               "--lookups", str(args.lookups), "--seed", str(args.seed)]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"{side} at {n} blocks failed: {r.stderr.strip().splitlines()[-1:]}")
+        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        print(f"# {side} {n:,} blocks done", file=sys.stderr, flush=True)
+    print(table(rows))
+    base = [r for r in rows if r["side"] != "compact"]
+    for r in rows:
+        if r["side"] == "compact" and base:
+            b = base[0]
+            print(f"compact at {r['blocks']:,} blocks / anchor at {b['blocks']:,}: RSS per block "
+                  f"{r['rss_per_block'] / b['rss_per_block']:.2f}x, 32k lookup p99 "
+                  f"{r['lookup_32k_p99_us'] / b['lookup_32k_p99_us']:.2f}x, fill rate "
+                  f"{r['fill_blocks_per_s'] / b['fill_blocks_per_s']:.2f}x")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": rows, "argv": sys.argv[1:]}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""A compact index: blocks, objects and the LRU eviction order in columnar arrays
+sized for 100M blocks, instead of one Python object per block and per object.
+
+Not wired into :class:`~gcache.meta.core.MetaCore` yet (see docs/performance.md,
+"The compact index"): this module is the data structure and its invariants, tested
+against a model (tests/unit/test_compact_index.py, a hypothesis state machine) and
+measured by ``python -m bench.compact_index``.
+
+Layout (ids are ``int32`` row numbers, reused through free stacks):
+
+* **blocks**: the 16-byte key as two ``uint64`` (``k0``, ``k1``), namespace id
+  (``uint16``: namespaces interned by the caller), parent block (-1: a root),
+  position, children count, and one object id per layout group (``obj[b, g]``,
+  -1: none).
+* **the key map**: an open-addressing table of block ids (linear probing, the
+  key's first 8 bytes mixed with the namespace as the hash: block keys are chained
+  hashes already), probed for a whole prompt at once with numpy; deletions leave
+  tombstones, rehashed away when they pass a quarter of the table.
+* **objects**: block, group, tier, server (``uint16``), offset, length, access
+  tick (``uint64``, a counter: no ties), and the per-layer checksums in a slab per
+  checksum length (``sums[L][slot]``).
+* **eviction order**: an indexed binary min-heap of the *evictable* objects (those
+  whose block has no children) keyed by access tick: ``victim()`` is the least
+  recently used leaf, as the meta's LRU policy picks it; a block becomes a leaf
+  when its last child goes (its objects enter the heap), and stops being one when
+  a child is added (they leave it).
+
+Single-key operations go through the same vectorised paths with arrays of one.
+No I/O, no clock (ticks are the caller's), nothing per block outside the arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from gcache.errors import GCacheError
+from gcache.meta.rowtable import MIN_ROWS, RowTable
+from gcache.meta.tickheap import TickHeap
+
+I32 = npt.NDArray[np.int32]
+U64 = npt.NDArray[np.uint64]
+
+EMPTY: Final = -1  # a key map slot never used
+TOMB: Final = -2  # a key map slot whose block was removed
+_MIX: Final = 0x9E3779B97F4A7C15
+
+
+def _ns_mix(ns: int) -> np.uint64:
+    """The namespace's share of a key's hash (so equal keys of two namespaces
+    land apart)."""
+    return np.uint64((ns * _MIX) & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+class CompactIndexError(GCacheError):
+    """A call that breaks the compact index's contract (unknown id, a block with
+    children removed, a duplicate object)."""
+
+
+def split_keys(keys: list[bytes]) -> tuple[U64, U64]:
+    """16-byte keys as two little-endian ``uint64`` columns (one copy, no per-key
+    objects)."""
+    joined = b"".join(keys)
+    if len(joined) != 16 * len(keys) or any(len(k) != 16 for k in keys):
+        raise CompactIndexError("block keys must be 16 bytes each")
+    pairs = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
+    return pairs[:, 0].astype(np.uint64), pairs[:, 1].astype(np.uint64)
+
+
+class CompactIndex:
+    """Blocks and objects of many namespaces in columns; see the module docstring."""
+
+    def __init__(self, groups: int = 4) -> None:
+        if not 1 <= groups <= 255:
+            raise CompactIndexError(f"groups must be in 1..255, got {groups}")
+        self.groups = groups
+        self.blocks = RowTable(
+            {
+                "k0": ("<u8", 0),
+                "k1": ("<u8", 0),
+                "ns": ("<u2", 0),
+                "parent": ("<i4", 0),
+                "pos": ("<u4", 0),
+                "children": ("<i4", 0),
+                "obj": ("<i4", groups),
+            },
+            {"children": 0, "obj": -1},
+        )
+        self.objects = RowTable(
+            {
+                "block": ("<i4", 0),
+                "group": ("u1", 0),
+                "tier": ("u1", 0),
+                "server": ("<u2", 0),
+                "offset": ("<u8", 0),
+                "length": ("<u4", 0),
+                "tick": ("<u8", 0),
+                "sums_len": ("<u2", 0),
+                "sums_slot": ("<i4", 0),
+                "hpos": ("<i4", 0),
+            },
+            {"hpos": -1},
+        )
+        self._sums: dict[int, tuple[np.ndarray, RowTable]] = {}
+        self.table = np.full(4 * MIN_ROWS, EMPTY, dtype=np.int32)
+        self.live_blocks = 0
+        self.live_objects = 0
+        self.tombs = 0
+        self.heap = TickHeap(self.objects)
+
+    # -- the key map ---------------------------------------------------------------
+
+    def _hash(self, ns: int, k0: U64) -> U64:
+        mask = np.uint64(self.table.size - 1)
+        return (k0 ^ _ns_mix(ns)) & mask
+
+    def find(self, ns: int, k0: U64, k1: U64) -> I32:
+        """Block ids of keys (-1: not indexed), one probe loop for all of them."""
+        out = np.full(len(k0), -1, dtype=np.int32)
+        b = self.blocks.cols
+        bk0, bk1, bns = b["k0"], b["k1"], b["ns"]
+        mask = np.uint64(self.table.size - 1)
+        h = self._hash(ns, k0)
+        active = np.arange(len(k0))
+        while active.size:
+            t = self.table[h.astype(np.int64)]
+            safe = np.where(t >= 0, t, 0)
+            hit = (t >= 0) & (bk0[safe] == k0[active]) & (bk1[safe] == k1[active])
+            hit &= bns[safe] == ns
+            out[active[hit]] = t[hit]
+            go_on = ~hit & (t != EMPTY)
+            active, h = active[go_on], (h[go_on] + np.uint64(1)) & mask
+        return out
+
+    def _place(self, ids: I32) -> None:
+        """Put block ``ids`` (not in the table) into the table."""
+        b = self.blocks.cols
+        mask = np.uint64(self.table.size - 1)
+        ids = ids.copy()
+        h = (b["k0"][ids] ^ (b["ns"][ids].astype(np.uint64) * np.uint64(_MIX))) & mask
+        while ids.size:
+            slot = h.astype(np.int64)
+            t = self.table[slot]
+            open_ = t < 0
+            # Several keys may probe the same open slot: the first of each takes it.
+            cand = np.flatnonzero(open_)
+            _, first = np.unique(slot[cand], return_index=True)
+            won = cand[first]
+            self.tombs -= int(np.count_nonzero(t[won] == TOMB))
+            self.table[slot[won]] = ids[won]
+            left = np.ones(ids.size, dtype=bool)
+            left[won] = False
+            ids, h = ids[left], (h[left] + np.uint64(1)) & mask
+
+    def _fit_table(self, more: int) -> None:
+        """Keep the table at most half full (tombstones counted): rehash into a
+        table of at least 4x the live blocks when it would pass that."""
+        if 2 * (self.live_blocks + more + self.tombs) <= self.table.size:
+            return
+        size = self.table.size
+        while size < 4 * (self.live_blocks + more):
+            size *= 2
+        self._rehash(size)
+
+    def _rehash(self, size: int) -> None:
+        live = np.flatnonzero(self.table >= 0)
+        ids = self.table[live]
+        self.table = np.full(size, EMPTY, dtype=np.int32)
+        self.tombs = 0
+        self._place(ids.astype(np.int32))
+
+    # -- blocks --------------------------------------------------------------------
+
+    def add_chain(self, ns: int, keys: list[bytes], parent: int = -1, first_pos: int = 0) -> I32:
+        """The blocks of one prompt (each the parent of the next, the first a child
+        of ``parent``), created where missing; returns their ids. Keys already
+        indexed keep their block (and its parent)."""
+        k0, k1 = split_keys(keys)
+        ids = self.find(ns, k0, k1)
+        missing = np.flatnonzero(ids < 0)
+        if missing.size:
+            self._fit_table(missing.size)
+            new = self.blocks.take(missing.size)
+            ids[missing] = new
+            b = self.blocks.cols
+            b["k0"][new], b["k1"][new] = k0[missing], k1[missing]
+            b["ns"][new] = ns
+            b["pos"][new] = first_pos + missing
+            prev = np.empty(len(keys), dtype=np.int32)
+            prev[0] = parent
+            prev[1:] = ids[:-1]
+            parents = prev[missing]
+            b["parent"][new] = parents
+            self._place(new)
+            self.live_blocks += missing.size
+            has = parents[parents >= 0]
+            if has.size:
+                became_parents = has[b["children"][has] == 0]
+                np.add.at(b["children"], has, 1)
+                hpos = self.objects.cols["hpos"]
+                for p in np.unique(became_parents):  # no longer leaves
+                    for o in b["obj"][p]:
+                        if o >= 0 and hpos[o] >= 0:
+                            self.heap.remove(int(o))
+        return ids
+
+    def remove_block(self, bid: int) -> None:
+        """Remove a block with no objects and no children. Its parent may become a
+        leaf (the parent's objects enter the eviction order), or, holding no
+        object either, is removed too (and so on up: empty ancestors are pruned)."""
+        b = self.blocks.cols
+        self._check_block(bid)
+        if b["children"][bid] or (b["obj"][bid] >= 0).any():
+            raise CompactIndexError(f"block {bid} has children or objects")
+        mask = self.table.size - 1
+        while bid >= 0:
+            ns = int(b["ns"][bid])
+            slot = int(self._hash(ns, b["k0"][bid : bid + 1])[0])
+            while self.table[slot] != bid:
+                slot = (slot + 1) & mask
+            self.table[slot] = TOMB
+            self.tombs += 1
+            self.live_blocks -= 1
+            b["ns"][bid] = 0xFFFF  # never matches a lookup again
+            parent = int(b["parent"][bid])
+            self.blocks.give1(bid)
+            bid = -1
+            if parent >= 0:
+                b["children"][parent] -= 1
+                if b["children"][parent] == 0:
+                    objs = b["obj"][parent]
+                    live = objs[objs >= 0]
+                    for o in live:
+                        self.heap.push(int(o))
+                    if not live.size:
+                        bid = parent  # nothing left in it: pruned
+        if 4 * self.tombs > self.table.size:
+            self._rehash(self.table.size)
+
+    def _check_block(self, bid: int) -> None:
+        if not 0 <= bid < self.blocks.rows or self.blocks.cols["ns"][bid] == 0xFFFF:
+            raise CompactIndexError(f"no block {bid}")
+
+    def find1(self, ns: int, key: bytes) -> int:
+        """The block id of one key (-1: not indexed): scalar probes, no arrays."""
+        k0 = int.from_bytes(key[:8], "little")
+        k1 = int.from_bytes(key[8:16], "little")
+        mask = self.table.size - 1
+        h = (k0 ^ int(_ns_mix(ns))) & mask
+        table, b = self.table, self.blocks.cols
+        bk0, bk1, bns = b["k0"], b["k1"], b["ns"]
+        while True:
+            t = int(table[h])
+            if t == EMPTY:
+                return -1
+            if t >= 0 and int(bk0[t]) == k0 and int(bk1[t]) == k1 and int(bns[t]) == ns:
+                return t
+            h = (h + 1) & mask
+
+    def match(self, ns: int, keys: list[bytes], group: int) -> int:
+        """How many leading keys have an object of ``group``, for a group whose
+        objects are prefix-closed (the full-attention group: only leaves are
+        evicted): a binary search of :meth:`find1` probes, as the meta's
+        ``present_prefix``. :meth:`prefix` is the general (vectorised) form."""
+        obj = self.blocks.cols["obj"]
+
+        def has(i: int) -> bool:
+            bid = self.find1(ns, keys[i])
+            return bid >= 0 and int(obj[bid, group]) >= 0
+
+        lo, hi = 0, len(keys)
+        if hi and has(hi - 1):
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if has(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def prefix(self, ns: int, keys: list[bytes], group: int) -> int:
+        """How many leading keys have an object of ``group`` (a lookup's match)."""
+        k0, k1 = split_keys(keys)
+        ids = self.find(ns, k0, k1)
+        have = ids >= 0
+        objs = np.where(have, self.blocks.cols["obj"][np.where(have, ids, 0), group], -1)
+        gaps = np.flatnonzero(objs < 0)
+        return int(gaps[0]) if gaps.size else len(keys)
+
+    # -- objects -------------------------------------------------------------------
+
+    def add_object(
+        self,
+        bid: int,
+        group: int,
+        server: int,
+        offset: int,
+        length: int,
+        sums: bytes,
+        tick: int,
+        tier: int = 0,
+    ) -> int:
+        """Record the object of ``group`` of block ``bid``; returns its id."""
+        self._check_block(bid)
+        b = self.blocks.cols
+        if not 0 <= group < self.groups or b["obj"][bid, group] >= 0:
+            raise CompactIndexError(f"block {bid} group {group}: no such group or taken")
+        (oid,) = self.objects.take(1)
+        o = self.objects.cols
+        o["block"][oid], o["group"][oid], o["tier"][oid] = bid, group, tier
+        o["server"][oid], o["offset"][oid], o["length"][oid] = server, offset, length
+        o["tick"][oid] = tick
+        o["sums_len"][oid] = len(sums)
+        o["sums_slot"][oid] = self._sums_put(sums)
+        b["obj"][bid, group] = oid
+        self.live_objects += 1
+        if b["children"][bid] == 0:
+            self.heap.push(int(oid))
+        return int(oid)
+
+    def add_objects(
+        self,
+        bids: I32,
+        group: int,
+        server: int,
+        offsets: U64,
+        lengths: npt.NDArray[np.uint32],
+        sums: npt.NDArray[np.uint8],
+        ticks: U64,
+        tier: int = 0,
+    ) -> I32:
+        """:meth:`add_object` for many blocks at once (a put's prompt, a server's
+        report): ``sums`` is one row of checksum bytes per object. A large batch of
+        leaves rebuilds the eviction heap by one sort instead of one push each."""
+        n = len(bids)
+        b = self.blocks.cols
+        if n == 0:
+            return np.empty(0, dtype=np.int32)
+        ok = (bids >= 0) & (bids < self.blocks.rows)
+        if not ok.all() or (b["ns"][bids] == 0xFFFF).any():
+            raise CompactIndexError("unknown block ids")
+        if not 0 <= group < self.groups or (b["obj"][bids, group] >= 0).any():
+            raise CompactIndexError(f"group {group}: no such group, or an object is there")
+        if np.unique(bids).size != n:
+            raise CompactIndexError("a block named twice")
+        oids = self.objects.take(n)
+        o = self.objects.cols
+        o["block"][oids], o["group"][oids], o["tier"][oids] = bids, group, tier
+        o["server"][oids], o["offset"][oids], o["length"][oids] = server, offsets, lengths
+        o["tick"][oids] = ticks
+        width = sums.shape[1] if sums.ndim == 2 else 0
+        o["sums_len"][oids] = width
+        if width:
+            slab = self._sums.get(width)
+            if slab is None:
+                cols = RowTable({"s": ("u1", width)}, {})
+                slab = self._sums[width] = (cols.cols["s"], cols)
+            slots = slab[1].take(n)
+            arr = slab[1].cols["s"]
+            self._sums[width] = (arr, slab[1])
+            arr[slots] = sums
+            o["sums_slot"][oids] = slots
+        else:
+            o["sums_slot"][oids] = -1
+        b["obj"][bids, group] = oids
+        self.live_objects += n
+        self.heap.push_many(oids[b["children"][bids] == 0])
+        return oids
+
+    def remove_object(self, oid: int) -> tuple[int, int, int, int]:
+        """Remove an object; returns (server, tier, offset, length) to free. Its
+        block is removed too when it holds nothing else and has no children."""
+        o = self.objects.cols
+        if not 0 <= oid < self.objects.rows or o["block"][oid] < 0:
+            raise CompactIndexError(f"no object {oid}")
+        if o["hpos"][oid] >= 0:
+            self.heap.remove(int(oid))
+        bid, group = int(o["block"][oid]), int(o["group"][oid])
+        b = self.blocks.cols
+        b["obj"][bid, group] = -1
+        out = (int(o["server"][oid]), int(o["tier"][oid]), int(o["offset"][oid]),
+               int(o["length"][oid]))  # fmt: skip
+        self._sums_free(int(o["sums_len"][oid]), int(o["sums_slot"][oid]))
+        o["block"][oid] = -1
+        self.objects.give1(oid)
+        self.live_objects -= 1
+        if b["children"][bid] == 0 and not (b["obj"][bid] >= 0).any():
+            self.remove_block(bid)
+        return out
+
+    def sums(self, oid: int) -> bytes:
+        o = self.objects.cols
+        n = int(o["sums_len"][oid])
+        return self._sums[n][0][o["sums_slot"][oid]].tobytes() if n else b""
+
+    def touch(self, oids: I32, tick: int) -> None:
+        """Mark objects used at ``tick`` (a lookup's hits): later victims."""
+        o = self.objects.cols
+        o["tick"][oids] = tick
+        hpos = o["hpos"]
+        for oid in oids[hpos[oids] >= 0]:
+            self.heap.rekey(int(oid))
+
+    def victim(self) -> int:
+        """The least recently used object whose block has no children (-1: none)."""
+        return self.heap.top()
+
+    def server_objects(self, server: int) -> I32:
+        """Ids of the live objects on ``server`` (one vectorised scan)."""
+        o = self.objects.cols
+        rows = self.objects.rows
+        return np.flatnonzero((o["server"][:rows] == server) & (o["block"][:rows] >= 0)).astype(
+            np.int32
+        )
+
+    # -- checksum slabs ------------------------------------------------------------
+
+    def _sums_put(self, sums: bytes) -> int:
+        n = len(sums)
+        if not n:
+            return -1
+        slab = self._sums.get(n)
+        if slab is None:
+            cols = RowTable({"s": ("u1", n)}, {})
+            slab = self._sums[n] = (cols.cols["s"], cols)
+        cols = slab[1]
+        (slot,) = cols.take(1)
+        arr = cols.cols["s"]
+        self._sums[n] = (arr, cols)
+        arr[slot] = np.frombuffer(sums, dtype=np.uint8)
+        return int(slot)
+
+    def _sums_free(self, n: int, slot: int) -> None:
+        if n:
+            self._sums[n][1].give1(slot)
+
+    # -- accounting ----------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        """Bytes the index's arrays hold for the rows in use."""
+        sums = sum(cols.nbytes() for _, cols in self._sums.values())
+        return (
+            self.blocks.nbytes()
+            + self.objects.nbytes()
+            + sums
+            + self.table.nbytes
+            + self.heap.nbytes()
+        )
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "blocks": self.live_blocks,
+            "objects": self.live_objects,
+            "evictable": self.heap.size,
+            "table_slots": int(self.table.size),
+            "tombstones": self.tombs,
+            "bytes": self.nbytes(),
+        }

@@ -1,0 +1,79 @@
+"""Rows of named numpy columns sharing one capacity (the compact index's blocks,
+objects and checksum slabs): grown by doubling, row ids reused through a free
+stack. Pages past the rows in use are never touched (``np.empty``), so RSS follows
+the rows, not the capacity. No I/O."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+I32 = npt.NDArray[np.int32]
+
+MIN_ROWS: Final = 1024
+
+
+class RowTable:
+    """``spec``: column name -> (dtype, width; 0 for a 1-D column); ``fill``: the
+    value a column takes in every row handed out (others are left as they were)."""
+
+    def __init__(self, spec: dict[str, tuple[str, int]], fill: dict[str, int]) -> None:
+        self.spec = spec
+        self.fill = fill
+        self.cap = 0
+        self.rows = 0  # high-water mark of row ids handed out
+        self.free = np.empty(0, dtype=np.int32)
+        self.nfree = 0
+        self.cols: dict[str, np.ndarray] = {}
+        self._grow(MIN_ROWS)
+
+    def _grow(self, cap: int) -> None:
+        for name, (dtype, width) in self.spec.items():
+            shape = (cap, width) if width else (cap,)
+            new = np.empty(shape, dtype=dtype)
+            old = self.cols.get(name)
+            if old is not None:
+                new[: self.rows] = old[: self.rows]
+            self.cols[name] = new
+        self.cap = cap
+
+    def take(self, n: int) -> I32:
+        """``n`` row ids: freed ones first, then new rows. A column array may be
+        replaced (grown): read ``cols`` again after a take."""
+        reuse = min(n, self.nfree)
+        ids = np.empty(n, dtype=np.int32)
+        ids[:reuse] = self.free[self.nfree - reuse : self.nfree]
+        self.nfree -= reuse
+        more = n - reuse
+        if self.rows + more > self.cap:
+            self._grow(max(2 * self.cap, self.rows + more))
+        ids[reuse:] = np.arange(self.rows, self.rows + more, dtype=np.int32)
+        self.rows += more
+        for name, value in self.fill.items():
+            self.cols[name][ids] = value
+        return ids
+
+    def give(self, ids: I32) -> None:
+        """Row ids back to the free stack."""
+        if self.nfree + len(ids) > self.free.size:
+            grown = np.empty(max(2 * self.free.size, self.nfree + len(ids), 64), np.int32)
+            grown[: self.nfree] = self.free[: self.nfree]
+            self.free = grown
+        self.free[self.nfree : self.nfree + len(ids)] = ids
+        self.nfree += len(ids)
+
+    def give1(self, row: int) -> None:
+        """One row id back to the free stack (no array made for it)."""
+        if self.nfree == self.free.size:
+            grown = np.empty(max(2 * self.free.size, 64), np.int32)
+            grown[: self.nfree] = self.free[: self.nfree]
+            self.free = grown
+        self.free[self.nfree] = row
+        self.nfree += 1
+
+    def nbytes(self) -> int:
+        """Bytes of the rows in use (what RSS holds for them) and the free stack."""
+        per_row = sum(np.dtype(d).itemsize * max(1, w) for d, w in self.spec.values())
+        return per_row * self.rows + 4 * self.free.size

@@ -1,0 +1,265 @@
+"""The compact index (gcache/meta/compact.py) against a model made of dicts: a
+hypothesis state machine adds prompts (chains of blocks, shared prefixes), objects,
+touches, evicts the LRU leaf, removes objects and drops servers; after every step
+the index's invariants hold: every indexed key finds its block, lookups match the
+model's prefix, the victim is the model's least recently used leaf, checksums read
+back, counts agree, and a block has children or objects or is gone."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from gcache.meta.compact import CompactIndex, CompactIndexError, split_keys
+
+GROUPS = 2
+
+
+def key(ns: int, tokens: tuple[int, ...]) -> bytes:
+    return hashlib.blake2b(repr((ns, tokens)).encode(), digest_size=16).digest()
+
+
+def chain(ns: int, tokens: list[int]) -> list[bytes]:
+    return [key(ns, tuple(tokens[: i + 1])) for i in range(len(tokens))]
+
+
+def test_chain_lookup_objects_and_eviction_order() -> None:
+    ix = CompactIndex(groups=GROUPS)
+    a = ix.add_chain(1, chain(1, [1, 2, 3]))
+    b = ix.add_chain(1, chain(1, [1, 2, 4]))  # shares two blocks
+    assert list(a[:2]) == list(b[:2]) and a[2] != b[2]
+    assert ix.stats()["blocks"] == 4
+    oids = {}
+    for t, bid in enumerate([*a, b[2]]):
+        oids[int(bid)] = ix.add_object(int(bid), 0, 7, 4096 * t, 4096, bytes([t]) * 16, tick=t)
+    assert ix.prefix(1, chain(1, [1, 2, 3, 9]), 0) == 3
+    assert ix.prefix(1, chain(1, [1, 2, 3]), 1) == 0
+    assert ix.prefix(2, chain(1, [1, 2, 3]), 0) == 0  # another namespace
+    # Leaves only: a[2] (tick 2) and b[2] (tick 3); a[2] is older.
+    assert ix.victim() == oids[int(a[2])]
+    ix.touch(np.array([oids[int(a[2])]], dtype=np.int32), tick=10)
+    assert ix.victim() == oids[int(b[2])]
+    assert ix.sums(oids[int(b[2])]) == bytes([3]) * 16
+    assert ix.remove_object(oids[int(b[2])]) == (7, 0, 4096 * 3, 4096)
+    assert ix.stats()["blocks"] == 3  # b[2] had nothing else: removed
+    assert ix.victim() == oids[int(a[2])]
+    ix.remove_object(oids[int(a[2])])
+    assert ix.victim() == oids[int(a[1])]  # the parent became a leaf
+    with pytest.raises(CompactIndexError):
+        ix.remove_object(oids[int(a[2])])
+    with pytest.raises(CompactIndexError):
+        split_keys([b"short"])
+
+
+def test_a_large_batch_of_leaves_heapifies_by_sort() -> None:
+    ix = CompactIndex(groups=1)
+    n = 5_000
+    bids = np.concatenate([ix.add_chain(0, [key(0, (i,))]) for i in range(n)])
+    rng = np.random.default_rng(1)
+    ticks = rng.permutation(n).astype(np.uint64)
+    ix.add_objects(bids, 0, 1, ticks, np.full(n, 64, np.uint32), np.zeros((n, 8), np.uint8), ticks)
+    order = []
+    while (v := ix.victim()) >= 0:
+        order.append(int(ix.objects.cols["tick"][v]))
+        ix.remove_object(v)
+    assert order == list(range(n)) and ix.stats()["blocks"] == 0
+
+
+def test_table_grows_and_tombstones_are_rehashed() -> None:
+    ix = CompactIndex(groups=1)
+    keys = [key(0, (i,)) for i in range(20_000)]
+    ids = np.concatenate([ix.add_chain(0, [k]) for k in keys])  # 20,000 roots
+    assert ix.stats()["table_slots"] >= 2 * 20_000  # at most half full
+    k0, k1 = split_keys(keys)
+    assert (ix.find(0, k0, k1) == ids).all()
+    # Tombstones pass a quarter of the table and are rehashed away.
+    for bid in ids[5_000:]:
+        ix.remove_block(int(bid))
+    assert ix.stats()["blocks"] == 5_000
+    assert 4 * ix.stats()["tombstones"] <= ix.stats()["table_slots"]
+    found = ix.find(0, k0, k1)
+    assert (found[:5_000] == ids[:5_000]).all() and (found[5_000:] == -1).all()
+    # A chain of empty blocks goes whole when its leaf goes.
+    chain_ids = ix.add_chain(0, chain(3, list(range(300))))
+    ix.remove_block(int(chain_ids[-1]))
+    assert ix.stats()["blocks"] == 5_000
+
+
+class CompactModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ix = CompactIndex(groups=GROUPS)
+        self.tick = 0
+        # model: key -> (ns, parent key or None); objects: (key, group) -> record
+        self.blocks: dict[bytes, tuple[int, bytes | None]] = {}
+        self.objs: dict[tuple[bytes, int], dict[str, object]] = {}
+        self.prompts: list[tuple[int, list[int]]] = []
+
+    def _children(self, k: bytes) -> int:
+        return sum(1 for _, p in self.blocks.values() if p == k)
+
+    def _bid(self, k: bytes) -> int:
+        ns = self.blocks[k][0]
+        k0, k1 = split_keys([k])
+        return int(self.ix.find(ns, k0, k1)[0])
+
+    @rule(
+        ns=st.integers(0, 2),
+        tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+        groups=st.sets(st.integers(0, GROUPS - 1), max_size=GROUPS),
+        server=st.integers(0, 2),
+    )
+    def put_prompt(self, ns: int, tokens: list[int], groups: set[int], server: int) -> None:
+        keys = chain(ns, tokens)
+        ids = self.ix.add_chain(ns, keys)
+        for i, k in enumerate(keys):
+            self.blocks.setdefault(k, (ns, keys[i - 1] if i else None))
+        self.prompts.append((ns, tokens))
+        for g in groups:
+            for i, k in enumerate(keys):
+                if (k, g) in self.objs:
+                    continue
+                self.tick += 1
+                sums = hashlib.sha256(k + bytes([g])).digest()[: 8 * (g + 1)]
+                oid = self.ix.add_object(int(ids[i]), g, server, self.tick, 64, sums, self.tick)
+                self.objs[(k, g)] = {"oid": oid, "tick": self.tick, "server": server,
+                                     "offset": self.tick, "sums": sums}  # fmt: skip
+        # Blocks given no object and no children are left to the caller (as the
+        # meta's puts abort): remove them here as the meta's prune would.
+        for k in reversed(keys):
+            if k in self.blocks and not self._children(k) and not self._objects_of(k):
+                self.ix.remove_block(self._bid(k))
+                self._forget(k)
+
+    @rule(
+        ns=st.integers(0, 2),
+        tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+        g=st.integers(0, GROUPS - 1),
+        server=st.integers(0, 2),
+    )
+    def put_prompt_batched(self, ns: int, tokens: list[int], g: int, server: int) -> None:
+        """A whole prompt's objects of one group in one add_objects call."""
+        keys = chain(ns, tokens)
+        ids = self.ix.add_chain(ns, keys)
+        for i, k in enumerate(keys):
+            self.blocks.setdefault(k, (ns, keys[i - 1] if i else None))
+        self.prompts.append((ns, tokens))
+        todo = [i for i, k in enumerate(keys) if (k, g) not in self.objs]
+        width = 8 * (g + 1)
+        sums = np.zeros((len(todo), width), dtype=np.uint8)
+        ticks = np.arange(self.tick + 1, self.tick + 1 + len(todo), dtype=np.uint64)
+        for r, i in enumerate(todo):
+            sums[r] = np.frombuffer(hashlib.sha256(keys[i] + bytes([g])).digest()[:width], np.uint8)
+        oids = self.ix.add_objects(ids[todo], g, server, ticks, np.full(len(todo), 64, np.uint32),
+                                   sums, ticks)  # fmt: skip
+        for r, i in enumerate(todo):
+            self.objs[(keys[i], g)] = {"oid": int(oids[r]), "tick": int(ticks[r]),
+                                       "server": server, "offset": int(ticks[r]),
+                                       "sums": sums[r].tobytes()}  # fmt: skip
+        self.tick += len(todo)
+        for k in reversed(keys):
+            if k in self.blocks and not self._children(k) and not self._objects_of(k):
+                self.ix.remove_block(self._bid(k))
+                self._forget(k)
+
+    def _objects_of(self, k: bytes) -> list[int]:
+        return [g for g in range(GROUPS) if (k, g) in self.objs]
+
+    def _forget(self, k: bytes) -> None:
+        """Model: block ``k`` removed, and empty ancestors pruned."""
+        while k is not None:
+            parent = self.blocks.pop(k)[1]
+            if parent is None or self._children(parent) or self._objects_of(parent):
+                return
+            k = parent
+
+    def _remove(self, k: bytes, g: int) -> None:
+        rec = self.objs.pop((k, g))
+        server, _, offset, length = self.ix.remove_object(int(rec["oid"]))  # type: ignore[call-overload]
+        assert (server, offset, length) == (rec["server"], rec["offset"], 64)
+        if not self._children(k) and not self._objects_of(k):
+            self._forget(k)
+
+    @precondition(lambda self: self.objs)
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        k, g = data.draw(st.sampled_from(sorted(self.objs)))
+        self.tick += 1
+        rec = self.objs[(k, g)]
+        rec["tick"] = self.tick
+        self.ix.touch(np.array([rec["oid"]], dtype=np.int32), self.tick)
+
+    @precondition(lambda self: self.objs)
+    @rule()
+    def evict_victim(self) -> None:
+        oid = self.ix.victim()
+        ((k, g),) = [kg for kg, r in self.objs.items() if r["oid"] == oid]
+        self._remove(k, g)
+
+    @precondition(lambda self: self.objs)
+    @rule(data=st.data())
+    def remove_any(self, data: st.DataObject) -> None:
+        k, g = data.draw(st.sampled_from(sorted(self.objs)))
+        if self._children(k):
+            return  # the meta evicts leaves only; an inner object stays
+        self._remove(k, g)
+
+    @rule(server=st.integers(0, 2))
+    def drop_server(self, server: int) -> None:
+        oids = set(self.ix.server_objects(server).tolist())
+        assert oids == {r["oid"] for r in self.objs.values() if r["server"] == server}
+        # Deepest first, so a block's children go before it.
+        order = sorted(
+            ((k, g) for (k, g), r in self.objs.items() if r["server"] == server),
+            key=lambda kg: -self._depth(kg[0]),
+        )
+        for k, g in order:
+            if self._children(k):
+                # Its children still hold objects on other servers: drop the object,
+                # keep the block (the meta marks such an object gone the same way).
+                rec = self.objs.pop((k, g))
+                self.ix.remove_object(int(rec["oid"]))  # type: ignore[call-overload]
+            else:
+                self._remove(k, g)
+
+    def _depth(self, k: bytes) -> int:
+        d = 0
+        p = self.blocks[k][1]
+        while p is not None:
+            d, p = d + 1, self.blocks[p][1]
+        return d
+
+    @invariant()
+    def agrees_with_the_model(self) -> None:
+        st_ = self.ix.stats()
+        assert st_["blocks"] == len(self.blocks)
+        assert st_["objects"] == len(self.objs)
+        for k in self.blocks:
+            assert self._bid(k) >= 0
+        for rec in self.objs.values():
+            assert self.ix.sums(int(rec["oid"])) == rec["sums"]  # type: ignore[call-overload]
+        leaves = [r for (k, _), r in self.objs.items() if not self._children(k)]
+        assert st_["evictable"] == len(leaves)
+        if leaves:
+            oldest = min(leaves, key=lambda r: r["tick"])  # type: ignore[arg-type, return-value]
+            assert self.ix.victim() == oldest["oid"]
+        else:
+            assert self.ix.victim() == -1
+        for ns, tokens in self.prompts[-3:]:
+            keys = chain(ns, tokens)
+            for g in range(GROUPS):
+                want = 0
+                while want < len(keys) and (keys[want], g) in self.objs:
+                    want += 1
+                assert self.ix.prefix(ns, keys, g) == want
+                if not any((k, g) in self.objs for k in keys[want:]):  # no holes: closed
+                    assert self.ix.match(ns, keys, g) == want
+
+
+TestCompactModel = CompactModel.TestCase
+TestCompactModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
