@@ -109,6 +109,7 @@ class CompactIndex:
         self.live_objects = 0
         self.tombs = 0
         self.heap = TickHeap(self.objects)
+        self.bulk = False  # see begin_bulk
 
     # -- the key map ---------------------------------------------------------------
 
@@ -173,6 +174,89 @@ class CompactIndex:
 
     # -- blocks --------------------------------------------------------------------
 
+    def begin_bulk(self) -> None:
+        """Bulk loading (a rebuild from the servers' reports): the eviction heap is
+        not kept while blocks and objects arrive, and is built once, by one sort,
+        in :meth:`end_bulk` (``victim`` answers -1 meanwhile)."""
+        self.bulk = True
+        hpos = self.objects.cols["hpos"]
+        hpos[self.heap.heap[: self.heap.size]] = -1
+        self.heap.size = 0
+
+    def end_bulk(self) -> None:
+        """The eviction heap of every object whose block has no children."""
+        self.bulk = False
+        rows = self.objects.rows
+        o = self.objects.cols
+        live = np.flatnonzero(o["block"][:rows] >= 0).astype(np.int32)
+        leaves = live[self.blocks.cols["children"][o["block"][live]] == 0]
+        self.heap.size = 0
+        self.heap.push_many(leaves, sort=True)
+
+    def add_blocks(self, ns: int, k0: U64, k1: U64, pk0: U64, pk1: U64, pos: I32) -> I32:
+        """Blocks of a report chunk, each with its parent's key (``pk0 == pk1 ==
+        0``: a root), in any order within the chunk; parents are found in the index
+        or in the chunk. Returns their ids; -1 for a row whose parent is in
+        neither (an orphan, with its descendants in the chunk: not added; the
+        caller parks them). Keys already indexed keep their block."""
+        n = len(k0)
+        ids = self.find(ns, k0, k1)
+        missing = np.flatnonzero(ids < 0)
+        pairs = np.stack([k0[missing], k1[missing]], axis=1)
+        if missing.size and np.unique(pairs, axis=0).shape[0] != missing.size:
+            raise CompactIndexError("a block key twice in one chunk")
+        b = self.blocks.cols
+        new = np.empty(0, dtype=np.int32)
+        if missing.size:
+            self._fit_table(missing.size)
+            new = self.blocks.take(missing.size)
+            b = self.blocks.cols
+            ids[missing] = new
+            b["k0"][new], b["k1"][new], b["ns"][new] = k0[missing], k1[missing], ns
+            b["pos"][new] = pos[missing]
+            self._place(new)
+            self.live_blocks += missing.size
+        is_new = np.zeros(n, dtype=bool)
+        is_new[missing] = True
+        rooted = (pk0 == 0) & (pk1 == 0)
+        pid = np.full(n, -1, dtype=np.int32)
+        has = np.flatnonzero(~rooted & is_new)
+        pid[has] = self.find(ns, pk0[has], pk1[has])
+        orphan = is_new & ~rooted & (pid < 0)
+        while orphan.any():  # an orphan's children in the chunk are orphans too
+            more = is_new & ~orphan & np.isin(pid, ids[orphan])
+            if not more.any():
+                break
+            orphan |= more
+        for r in np.flatnonzero(orphan):
+            self._unindex(int(ids[r]))
+            ids[r] = -1
+        take = np.flatnonzero(is_new & ~orphan)
+        b["parent"][ids[take]] = pid[take]
+        parents = pid[take][pid[take] >= 0]
+        if parents.size:
+            if not self.bulk:
+                hpos = self.objects.cols["hpos"]
+                leafs = np.unique(parents[b["children"][parents] == 0])
+                for o in b["obj"][leafs].ravel():
+                    if o >= 0 and hpos[o] >= 0:
+                        self.heap.remove(int(o))
+            np.add.at(b["children"], parents, 1)
+        return ids
+
+    def _unindex(self, bid: int) -> None:
+        """Take a block just added out again (no parent link, no children)."""
+        b = self.blocks.cols
+        slot = int(self._hash(int(b["ns"][bid]), b["k0"][bid : bid + 1])[0])
+        mask = self.table.size - 1
+        while self.table[slot] != bid:
+            slot = (slot + 1) & mask
+        self.table[slot] = TOMB
+        self.tombs += 1
+        self.live_blocks -= 1
+        b["ns"][bid] = 0xFFFF
+        self.blocks.give1(bid)
+
     def add_chain(self, ns: int, keys: list[bytes], parent: int = -1, first_pos: int = 0) -> I32:
         """The blocks of one prompt (each the parent of the next, the first a child
         of ``parent``), created where missing; returns their ids. Keys already
@@ -232,7 +316,7 @@ class CompactIndex:
                 if b["children"][parent] == 0:
                     objs = b["obj"][parent]
                     live = objs[objs >= 0]
-                    for o in live:
+                    for o in live if not self.bulk else ():
                         self.heap.push(int(o))
                     if not live.size:
                         bid = parent  # nothing left in it: pruned
@@ -317,7 +401,7 @@ class CompactIndex:
         o["sums_slot"][oid] = self._sums_put(sums)
         b["obj"][bid, group] = oid
         self.live_objects += 1
-        if b["children"][bid] == 0:
+        if b["children"][bid] == 0 and not self.bulk:
             self.heap.push(int(oid))
         return int(oid)
 
@@ -367,7 +451,8 @@ class CompactIndex:
             o["sums_slot"][oids] = -1
         b["obj"][bids, group] = oids
         self.live_objects += n
-        self.heap.push_many(oids[b["children"][bids] == 0])
+        if not self.bulk:
+            self.heap.push_many(oids[b["children"][bids] == 0])
         return oids
 
     def remove_object(self, oid: int) -> tuple[int, int, int, int]:

@@ -35,10 +35,10 @@ class TickHeap:
         self.size += 1
         self._sift_up(self.size - 1)
 
-    def push_many(self, rows: I32) -> None:
-        """Push ``rows``: one by one, or for a batch past an eighth of the heap by
-        sorting everything by tick."""
-        if rows.size <= max(1024, self.size // 8):
+    def push_many(self, rows: I32, sort: bool = False) -> None:
+        """Push ``rows``: one by one, or (``sort``, or a batch past an eighth of the
+        heap) by sorting everything by tick."""
+        if not sort and rows.size <= max(1024, self.size // 8):
             for row in rows:
                 self.push(int(row))
             return

@@ -11,7 +11,7 @@ import hashlib
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -68,6 +68,75 @@ def test_a_large_batch_of_leaves_heapifies_by_sort() -> None:
         order.append(int(ix.objects.cols["tick"][v]))
         ix.remove_object(v)
     assert order == list(range(n)) and ix.stats()["blocks"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5), min_size=1, max_size=8),
+    chunks=st.integers(1, 3),
+    orphaned=st.sets(st.integers(0, 7), max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_report_chunks_in_bulk_match_chains_put_one_by_one(
+    prompts: list[list[int]], chunks: int, orphaned: set[int], seed: int
+) -> None:
+    """Blocks reported as rows (key, parent key, position) in chunks, shuffled
+    within a chunk, build the same index as the prompts' chains put one by one;
+    a row whose parent was never reported is left out with its descendants; the
+    eviction order built at the end of the bulk load is the LRU order of leaves."""
+    rows: dict[bytes, tuple[bytes | None, int]] = {}
+    for tokens in prompts:
+        ks = chain(0, tokens)
+        for i, k in enumerate(ks):
+            rows.setdefault(k, (ks[i - 1] if i else None, i))
+    keys_ = list(rows)
+    lost = {keys_[i] for i in orphaned if i < len(keys_)}  # never reported
+    reported = [k for k in keys_ if k not in lost]
+
+    def reachable(k: bytes) -> bool:
+        while k is not None:
+            if k in lost:
+                return False
+            k = rows[k][0]  # type: ignore[assignment]
+        return True
+
+    rng = np.random.default_rng(seed)
+    order = sorted(reported, key=lambda k: rows[k][1])  # by position, as the merge
+    ix = CompactIndex(groups=1)
+    ix.begin_bulk()
+    got: dict[bytes, int] = {}
+    for part in np.array_split(np.arange(len(order)), chunks):
+        ks = [order[i] for i in rng.permutation(part)]
+        k0, k1 = split_keys(ks)
+        pk = [rows[k][0] or bytes(16) for k in ks]
+        pk0, pk1 = split_keys(pk)
+        pos = np.array([rows[k][1] for k in ks], dtype=np.int32)
+        ids = ix.add_blocks(0, k0, k1, pk0, pk1, pos)
+        for k, bid in zip(ks, ids, strict=True):
+            got[k] = int(bid)
+        live = [i for i, bid in enumerate(ids) if bid >= 0]
+        ticks = np.array([keys_.index(ks[i]) for i in live], dtype=np.uint64)
+        ix.add_objects(ids[live], 0, 0, ticks, np.full(len(live), 64, np.uint32),
+                       np.zeros((len(live), 8), np.uint8), ticks)  # fmt: skip
+    ix.end_bulk()
+    want = {k for k in reported if reachable(k)}
+    assert {k for k, bid in got.items() if bid >= 0} == want
+    assert ix.stats()["blocks"] == len(want)
+    for k in want:
+        parent = rows[k][0]
+        p_id = int(ix.blocks.cols["parent"][got[k]])
+        assert p_id == (got[parent] if parent is not None else -1)
+    # Evicting everything goes leaves first, oldest first: each victim is the
+    # least recently used object with no children left.
+    left = set(want)
+    while left:
+        leaves = [k for k in left if not any(rows[c][0] == k for c in left)]
+        oldest = min(leaves, key=keys_.index)
+        v = ix.victim()
+        assert int(ix.objects.cols["block"][v]) == got[oldest]
+        ix.remove_object(v)
+        left.remove(oldest)
+    assert ix.victim() == -1 and ix.stats()["blocks"] == 0
 
 
 def test_table_grows_and_tombstones_are_rehashed() -> None:
