@@ -688,6 +688,22 @@ def walk(core: Any) -> dict[str, Any]:
     }
 
 
+def put_in_process(core: Any, ns: Any, prompts: dict[int, list[list[bytes]]]) -> None:
+    """Every prompt through ``core.put_begin``/``put_commit`` (8-byte checksums a
+    layer), in process."""
+    layout = ns.layout
+    for lists in prompts.values():
+        for ks in lists:
+            placed = core.put_begin(
+                wire.PutBegin(ns.fingerprint, ks, layout.groups_to_store(len(ks))), 1.0, 1.7e9
+            )
+            done = [
+                (j, bytes(8 * len(layout.group_layers[pl.group])))
+                for j, pl in enumerate(placed.placements)
+            ]
+            core.put_commit(wire.PutCommit(placed.put_id, done), 1.0)
+
+
 def breakdown(n_blocks: int, seed: int) -> dict[str, Any]:
     """:func:`walk` of an in-process ``MetaCore`` given the bench's prompts through
     put_begin/put_commit (as ``bench/index_memory.py`` fills one)."""
@@ -700,18 +716,7 @@ def breakdown(n_blocks: int, seed: int) -> dict[str, Any]:
     # take) must hold them all, or placement pauses (as gcache-bench lookup does).
     core = MetaCore(MetaConfig(adopt_outbox=max(1 << 16, 4 * n_blocks)))
     core.register_server(wire.ServerAddr("s0", "127.0.0.1", 1, "h", ""), bytes(16), 1, 1 << 60, 0.0)
-    ns = core.register_namespace(desc, spec)
-    layout = ns.layout
-    for lists in prompts.values():
-        for ks in lists:
-            placed = core.put_begin(
-                wire.PutBegin(ns.fingerprint, ks, layout.groups_to_store(len(ks))), 1.0, 1.7e9
-            )
-            done = [
-                (j, bytes(8 * len(layout.group_layers[pl.group])))
-                for j, pl in enumerate(placed.placements)
-            ]
-            core.put_commit(wire.PutCommit(placed.put_id, done), 1.0)
+    put_in_process(core, core.register_namespace(desc, spec), prompts)
     for srv in core.servers.values():
         srv.adopt_out.clear()  # what a server's next heartbeat takes (in-process only)
     gc.collect()
