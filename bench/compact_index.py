@@ -62,7 +62,8 @@ def latencies(out: dict[str, Any], length: int, lat: list[float], leased: list[f
 
 
 def run_compact(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
-    from gcache.meta.compact import CompactIndex, split_keys
+    from gcache.meta.compact import CompactIndex
+    from gcache.meta.keymap import split_keys
 
     layout = _layout()
     widths = [8 * len(x) for x in layout.group_layers]

@@ -53,6 +53,11 @@ class LayoutError(GCacheError):
     """A layout spec is invalid or tensors do not match it."""
 
 
+class CompactIndexError(GCacheError):
+    """A call that breaks the compact index's contract (gcache/meta/compact.py:
+    an unknown id, a block with children removed, a key not 16 bytes)."""
+
+
 class ProtocolError(GCacheError):
     """Malformed bytes on the wire; the connection cannot continue."""
 

@@ -25,48 +25,30 @@ Layout (ids are ``int32`` row numbers, reused through free stacks):
   when its last child goes (its objects enter the heap), and stops being one when
   a child is added (they leave it).
 
-Single-key operations go through the same vectorised paths with arrays of one.
+A lookup of the prefix-closed full group is a binary search of scalar probes
+(``match``, as the meta's ``present_prefix``); a report chunk is loaded as columns
+(``add_blocks`` + ``add_objects`` between ``begin_bulk`` and ``end_bulk``, the heap
+built once by a sort). Namespace ids are 0..65534 (65535 marks a removed block).
 No I/O, no clock (ticks are the caller's), nothing per block outside the arrays.
 """
 
 from __future__ import annotations
 
-from typing import Final
-
 import numpy as np
 import numpy.typing as npt
 
-from gcache.errors import GCacheError
-from gcache.meta.rowtable import MIN_ROWS, RowTable
+from gcache.errors import CompactIndexError
+from gcache.meta.keymap import KeyMap, split_keys
+from gcache.meta.rowtable import RowTable
 from gcache.meta.tickheap import TickHeap
 
 I32 = npt.NDArray[np.int32]
 U64 = npt.NDArray[np.uint64]
 
-EMPTY: Final = -1  # a key map slot never used
-TOMB: Final = -2  # a key map slot whose block was removed
-_MIX: Final = 0x9E3779B97F4A7C15
 
-
-def _ns_mix(ns: int) -> np.uint64:
-    """The namespace's share of a key's hash (so equal keys of two namespaces
-    land apart)."""
-    return np.uint64((ns * _MIX) & 0xFFFF_FFFF_FFFF_FFFF)
-
-
-class CompactIndexError(GCacheError):
-    """A call that breaks the compact index's contract (unknown id, a block with
-    children removed, a duplicate object)."""
-
-
-def split_keys(keys: list[bytes]) -> tuple[U64, U64]:
-    """16-byte keys as two little-endian ``uint64`` columns (one copy, no per-key
-    objects)."""
-    joined = b"".join(keys)
-    if len(joined) != 16 * len(keys) or any(len(k) != 16 for k in keys):
-        raise CompactIndexError("block keys must be 16 bytes each")
-    pairs = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
-    return pairs[:, 0].astype(np.uint64), pairs[:, 1].astype(np.uint64)
+def _check_ns(ns: int) -> None:
+    if not 0 <= ns < 0xFFFF:
+        raise CompactIndexError(f"namespace id must be in 0..65534, got {ns}")
 
 
 class CompactIndex:
@@ -104,73 +86,11 @@ class CompactIndex:
             {"hpos": -1},
         )
         self._sums: dict[int, tuple[np.ndarray, RowTable]] = {}
-        self.table = np.full(4 * MIN_ROWS, EMPTY, dtype=np.int32)
+        self.keys = KeyMap(self.blocks)
         self.live_blocks = 0
         self.live_objects = 0
-        self.tombs = 0
         self.heap = TickHeap(self.objects)
         self.bulk = False  # see begin_bulk
-
-    # -- the key map ---------------------------------------------------------------
-
-    def _hash(self, ns: int, k0: U64) -> U64:
-        mask = np.uint64(self.table.size - 1)
-        return (k0 ^ _ns_mix(ns)) & mask
-
-    def find(self, ns: int, k0: U64, k1: U64) -> I32:
-        """Block ids of keys (-1: not indexed), one probe loop for all of them."""
-        out = np.full(len(k0), -1, dtype=np.int32)
-        b = self.blocks.cols
-        bk0, bk1, bns = b["k0"], b["k1"], b["ns"]
-        mask = np.uint64(self.table.size - 1)
-        h = self._hash(ns, k0)
-        active = np.arange(len(k0))
-        while active.size:
-            t = self.table[h.astype(np.int64)]
-            safe = np.where(t >= 0, t, 0)
-            hit = (t >= 0) & (bk0[safe] == k0[active]) & (bk1[safe] == k1[active])
-            hit &= bns[safe] == ns
-            out[active[hit]] = t[hit]
-            go_on = ~hit & (t != EMPTY)
-            active, h = active[go_on], (h[go_on] + np.uint64(1)) & mask
-        return out
-
-    def _place(self, ids: I32) -> None:
-        """Put block ``ids`` (not in the table) into the table."""
-        b = self.blocks.cols
-        mask = np.uint64(self.table.size - 1)
-        ids = ids.copy()
-        h = (b["k0"][ids] ^ (b["ns"][ids].astype(np.uint64) * np.uint64(_MIX))) & mask
-        while ids.size:
-            slot = h.astype(np.int64)
-            t = self.table[slot]
-            open_ = t < 0
-            # Several keys may probe the same open slot: the first of each takes it.
-            cand = np.flatnonzero(open_)
-            _, first = np.unique(slot[cand], return_index=True)
-            won = cand[first]
-            self.tombs -= int(np.count_nonzero(t[won] == TOMB))
-            self.table[slot[won]] = ids[won]
-            left = np.ones(ids.size, dtype=bool)
-            left[won] = False
-            ids, h = ids[left], (h[left] + np.uint64(1)) & mask
-
-    def _fit_table(self, more: int) -> None:
-        """Keep the table at most half full (tombstones counted): rehash into a
-        table of at least 4x the live blocks when it would pass that."""
-        if 2 * (self.live_blocks + more + self.tombs) <= self.table.size:
-            return
-        size = self.table.size
-        while size < 4 * (self.live_blocks + more):
-            size *= 2
-        self._rehash(size)
-
-    def _rehash(self, size: int) -> None:
-        live = np.flatnonzero(self.table >= 0)
-        ids = self.table[live]
-        self.table = np.full(size, EMPTY, dtype=np.int32)
-        self.tombs = 0
-        self._place(ids.astype(np.int32))
 
     # -- blocks --------------------------------------------------------------------
 
@@ -199,8 +119,9 @@ class CompactIndex:
         or in the chunk. Returns their ids; -1 for a row whose parent is in
         neither (an orphan, with its descendants in the chunk: not added; the
         caller parks them). Keys already indexed keep their block."""
+        _check_ns(ns)
         n = len(k0)
-        ids = self.find(ns, k0, k1)
+        ids = self.keys.find(ns, k0, k1)
         missing = np.flatnonzero(ids < 0)
         pairs = np.stack([k0[missing], k1[missing]], axis=1)
         if missing.size and np.unique(pairs, axis=0).shape[0] != missing.size:
@@ -208,20 +129,20 @@ class CompactIndex:
         b = self.blocks.cols
         new = np.empty(0, dtype=np.int32)
         if missing.size:
-            self._fit_table(missing.size)
+            self.keys.fit(self.live_blocks + missing.size)
             new = self.blocks.take(missing.size)
             b = self.blocks.cols
             ids[missing] = new
             b["k0"][new], b["k1"][new], b["ns"][new] = k0[missing], k1[missing], ns
             b["pos"][new] = pos[missing]
-            self._place(new)
+            self.keys.place(new)
             self.live_blocks += missing.size
         is_new = np.zeros(n, dtype=bool)
         is_new[missing] = True
         rooted = (pk0 == 0) & (pk1 == 0)
         pid = np.full(n, -1, dtype=np.int32)
         has = np.flatnonzero(~rooted & is_new)
-        pid[has] = self.find(ns, pk0[has], pk1[has])
+        pid[has] = self.keys.find(ns, pk0[has], pk1[has])
         orphan = is_new & ~rooted & (pid < 0)
         while orphan.any():  # an orphan's children in the chunk are orphans too
             more = is_new & ~orphan & np.isin(pid, ids[orphan])
@@ -246,26 +167,21 @@ class CompactIndex:
 
     def _unindex(self, bid: int) -> None:
         """Take a block just added out again (no parent link, no children)."""
-        b = self.blocks.cols
-        slot = int(self._hash(int(b["ns"][bid]), b["k0"][bid : bid + 1])[0])
-        mask = self.table.size - 1
-        while self.table[slot] != bid:
-            slot = (slot + 1) & mask
-        self.table[slot] = TOMB
-        self.tombs += 1
+        self.keys.remove(bid)
         self.live_blocks -= 1
-        b["ns"][bid] = 0xFFFF
+        self.blocks.cols["ns"][bid] = 0xFFFF
         self.blocks.give1(bid)
 
     def add_chain(self, ns: int, keys: list[bytes], parent: int = -1, first_pos: int = 0) -> I32:
         """The blocks of one prompt (each the parent of the next, the first a child
         of ``parent``), created where missing; returns their ids. Keys already
         indexed keep their block (and its parent)."""
+        _check_ns(ns)
         k0, k1 = split_keys(keys)
-        ids = self.find(ns, k0, k1)
+        ids = self.keys.find(ns, k0, k1)
         missing = np.flatnonzero(ids < 0)
         if missing.size:
-            self._fit_table(missing.size)
+            self.keys.fit(self.live_blocks + missing.size)
             new = self.blocks.take(missing.size)
             ids[missing] = new
             b = self.blocks.cols
@@ -277,7 +193,7 @@ class CompactIndex:
             prev[1:] = ids[:-1]
             parents = prev[missing]
             b["parent"][new] = parents
-            self._place(new)
+            self.keys.place(new)
             self.live_blocks += missing.size
             has = parents[parents >= 0]
             if has.size:
@@ -298,14 +214,8 @@ class CompactIndex:
         self._check_block(bid)
         if b["children"][bid] or (b["obj"][bid] >= 0).any():
             raise CompactIndexError(f"block {bid} has children or objects")
-        mask = self.table.size - 1
         while bid >= 0:
-            ns = int(b["ns"][bid])
-            slot = int(self._hash(ns, b["k0"][bid : bid + 1])[0])
-            while self.table[slot] != bid:
-                slot = (slot + 1) & mask
-            self.table[slot] = TOMB
-            self.tombs += 1
+            self.keys.remove(bid)
             self.live_blocks -= 1
             b["ns"][bid] = 0xFFFF  # never matches a lookup again
             parent = int(b["parent"][bid])
@@ -320,28 +230,15 @@ class CompactIndex:
                         self.heap.push(int(o))
                     if not live.size:
                         bid = parent  # nothing left in it: pruned
-        if 4 * self.tombs > self.table.size:
-            self._rehash(self.table.size)
+        self.keys.fit(self.live_blocks)
 
     def _check_block(self, bid: int) -> None:
         if not 0 <= bid < self.blocks.rows or self.blocks.cols["ns"][bid] == 0xFFFF:
             raise CompactIndexError(f"no block {bid}")
 
-    def find1(self, ns: int, key: bytes) -> int:
-        """The block id of one key (-1: not indexed): scalar probes, no arrays."""
-        k0 = int.from_bytes(key[:8], "little")
-        k1 = int.from_bytes(key[8:16], "little")
-        mask = self.table.size - 1
-        h = (k0 ^ int(_ns_mix(ns))) & mask
-        table, b = self.table, self.blocks.cols
-        bk0, bk1, bns = b["k0"], b["k1"], b["ns"]
-        while True:
-            t = int(table[h])
-            if t == EMPTY:
-                return -1
-            if t >= 0 and int(bk0[t]) == k0 and int(bk1[t]) == k1 and int(bns[t]) == ns:
-                return t
-            h = (h + 1) & mask
+    def find(self, ns: int, k0: U64, k1: U64) -> I32:
+        """Block ids of keys given as columns (-1: not indexed); see ``KeyMap``."""
+        return self.keys.find(ns, k0, k1)
 
     def match(self, ns: int, keys: list[bytes], group: int) -> int:
         """How many leading keys have an object of ``group``, for a group whose
@@ -351,7 +248,7 @@ class CompactIndex:
         obj = self.blocks.cols["obj"]
 
         def has(i: int) -> bool:
-            bid = self.find1(ns, keys[i])
+            bid = self.keys.find1(ns, keys[i])
             return bid >= 0 and int(obj[bid, group]) >= 0
 
         lo, hi = 0, len(keys)
@@ -368,7 +265,7 @@ class CompactIndex:
     def prefix(self, ns: int, keys: list[bytes], group: int) -> int:
         """How many leading keys have an object of ``group`` (a lookup's match)."""
         k0, k1 = split_keys(keys)
-        ids = self.find(ns, k0, k1)
+        ids = self.keys.find(ns, k0, k1)
         have = ids >= 0
         objs = np.where(have, self.blocks.cols["obj"][np.where(have, ids, 0), group], -1)
         gaps = np.flatnonzero(objs < 0)
@@ -531,7 +428,7 @@ class CompactIndex:
             self.blocks.nbytes()
             + self.objects.nbytes()
             + sums
-            + self.table.nbytes
+            + self.keys.nbytes()
             + self.heap.nbytes()
         )
 
@@ -540,7 +437,7 @@ class CompactIndex:
             "blocks": self.live_blocks,
             "objects": self.live_objects,
             "evictable": self.heap.size,
-            "table_slots": int(self.table.size),
-            "tombstones": self.tombs,
+            "table_slots": int(self.keys.table.size),
+            "tombstones": self.keys.tombs,
             "bytes": self.nbytes(),
         }

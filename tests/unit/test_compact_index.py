@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gcache.meta.compact import CompactIndex, CompactIndexError, split_keys
+from gcache.errors import CompactIndexError
+from gcache.meta.compact import CompactIndex
+from gcache.meta.keymap import split_keys
 
 GROUPS = 2
 
@@ -54,6 +56,8 @@ def test_chain_lookup_objects_and_eviction_order() -> None:
         ix.remove_object(oids[int(a[2])])
     with pytest.raises(CompactIndexError):
         split_keys([b"short"])
+    with pytest.raises(CompactIndexError):
+        ix.add_chain(0xFFFF, chain(1, [1]))
 
 
 def test_a_large_batch_of_leaves_heapifies_by_sort() -> None:

@@ -1,0 +1,128 @@
+"""The compact index's key map: 16-byte block keys (two ``uint64`` columns of the
+blocks' :class:`~gcache.meta.rowtable.RowTable`, with their namespace id) to block
+ids, in an open-addressing table of ``int32`` ids with linear probing. The hash is
+the key's first 8 bytes mixed with the namespace (block keys are chained hashes
+already). The table stays at most half full, tombstones counted; a removal leaves
+a tombstone, and once they pass a quarter of the table it is rehashed. Probes for
+many keys run as one numpy loop (a prompt, a report chunk); ``find1`` probes one
+key with scalar reads (a lookup's binary search). No I/O."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from gcache.errors import CompactIndexError
+from gcache.meta.rowtable import MIN_ROWS, RowTable
+
+I32 = npt.NDArray[np.int32]
+U64 = npt.NDArray[np.uint64]
+
+EMPTY: Final = -1  # a slot never used
+TOMB: Final = -2  # a slot whose block was removed
+_MIX: Final = 0x9E3779B97F4A7C15
+
+
+def ns_mix(ns: int) -> int:
+    """The namespace's share of a key's hash (equal keys of two namespaces land
+    apart)."""
+    return (ns * _MIX) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def split_keys(keys: list[bytes]) -> tuple[U64, U64]:
+    """16-byte keys as two little-endian ``uint64`` columns (one copy, no per-key
+    objects)."""
+    joined = b"".join(keys)
+    if len(joined) != 16 * len(keys) or any(len(k) != 16 for k in keys):
+        raise CompactIndexError("block keys must be 16 bytes each")
+    pairs = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
+    return pairs[:, 0].astype(np.uint64), pairs[:, 1].astype(np.uint64)
+
+
+class KeyMap:
+    def __init__(self, blocks: RowTable) -> None:
+        self.blocks = blocks  # has "k0", "k1" (uint64) and "ns" (uint16) columns
+        self.table = np.full(4 * MIN_ROWS, EMPTY, dtype=np.int32)
+        self.tombs = 0
+
+    def find(self, ns: int, k0: U64, k1: U64) -> I32:
+        """Block ids of keys (-1: not indexed), one probe loop for all of them."""
+        out = np.full(len(k0), -1, dtype=np.int32)
+        b = self.blocks.cols
+        bk0, bk1, bns = b["k0"], b["k1"], b["ns"]
+        mask = np.uint64(self.table.size - 1)
+        h = (k0 ^ np.uint64(ns_mix(ns))) & mask
+        active = np.arange(len(k0))
+        while active.size:
+            t = self.table[h.astype(np.int64)]
+            safe = np.where(t >= 0, t, 0)
+            hit = (t >= 0) & (bk0[safe] == k0[active]) & (bk1[safe] == k1[active])
+            hit &= bns[safe] == ns
+            out[active[hit]] = t[hit]
+            go_on = ~hit & (t != EMPTY)
+            active, h = active[go_on], (h[go_on] + np.uint64(1)) & mask
+        return out
+
+    def find1(self, ns: int, key: bytes) -> int:
+        """The block id of one key (-1: not indexed): scalar probes, no arrays."""
+        k0 = int.from_bytes(key[:8], "little")
+        k1 = int.from_bytes(key[8:16], "little")
+        mask = self.table.size - 1
+        h = (k0 ^ ns_mix(ns)) & mask
+        table, b = self.table, self.blocks.cols
+        bk0, bk1, bns = b["k0"], b["k1"], b["ns"]
+        while True:
+            t = int(table[h])
+            if t == EMPTY:
+                return -1
+            if t >= 0 and int(bk0[t]) == k0 and int(bk1[t]) == k1 and int(bns[t]) == ns:
+                return t
+            h = (h + 1) & mask
+
+    def place(self, ids: I32) -> None:
+        """Put block ``ids`` (their keys not in the table) into the table."""
+        b = self.blocks.cols
+        mask = np.uint64(self.table.size - 1)
+        ids = ids.copy()
+        h = (b["k0"][ids] ^ (b["ns"][ids].astype(np.uint64) * np.uint64(_MIX))) & mask
+        while ids.size:
+            slot = h.astype(np.int64)
+            t = self.table[slot]
+            # Several keys may probe the same open slot: the first of each takes it.
+            cand = np.flatnonzero(t < 0)
+            _, first = np.unique(slot[cand], return_index=True)
+            won = cand[first]
+            self.tombs -= int(np.count_nonzero(t[won] == TOMB))
+            self.table[slot[won]] = ids[won]
+            left = np.ones(ids.size, dtype=bool)
+            left[won] = False
+            ids, h = ids[left], (h[left] + np.uint64(1)) & mask
+
+    def remove(self, bid: int) -> None:
+        """Take block ``bid``'s key out (a tombstone in its slot)."""
+        b = self.blocks.cols
+        mask = self.table.size - 1
+        slot = (int(b["k0"][bid]) ^ ns_mix(int(b["ns"][bid]))) & mask
+        while self.table[slot] != bid:
+            slot = (slot + 1) & mask
+        self.table[slot] = TOMB
+        self.tombs += 1
+
+    def fit(self, live: int) -> None:
+        """Make room for ``live`` keys: keep the table at most half full
+        (tombstones counted) and its tombstones under a quarter of it, rehashing
+        into a table of at least 4x ``live`` when either would be passed."""
+        size = self.table.size
+        if 2 * (live + self.tombs) <= size and 4 * self.tombs <= size:
+            return
+        while size < 4 * live:
+            size *= 2
+        ids = self.table[self.table >= 0]
+        self.table = np.full(size, EMPTY, dtype=np.int32)
+        self.tombs = 0
+        self.place(ids.astype(np.int32))
+
+    def nbytes(self) -> int:
+        return int(self.table.nbytes)
