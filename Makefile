@@ -17,10 +17,15 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(XXHASH_H):
 	$(SUDO) apt-get install -y -q libxxhash-dev || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libxxhash-dev; }
 
-# etcd for meta high availability (tests/integration/test_meta_ha.py, gcache up --ha).
+# etcd for meta high availability (tests/integration/test_meta_ha.py, gcache up --ha),
+# and etcdctl (etcd-client), which tests/integration/test_multihost_ha.py runs on its
+# etcd host (a machine may have the server without the client).
 ETCD_BIN ?= /usr/bin/etcd
+ETCDCTL_BIN ?= /usr/bin/etcdctl
 $(ETCD_BIN):
 	$(SUDO) apt-get install -y -q etcd-server || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server; }
+$(ETCDCTL_BIN):
+	$(SUDO) apt-get install -y -q etcd-client || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-client; }
 
 # Editable install with the test extras (torch CPU wheel, pytest, hypothesis, ruff, mypy);
 # compiles gcache/_native/_dataplane.c with the system C compiler (setup.py).
@@ -79,7 +84,7 @@ ARGS ?=
 run: $(STAMP) $(if $(findstring --ha,$(ARGS)),$(ETCD_BIN))
 	$(VENV)/bin/gcache up --demo $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(ETCD_BIN) lint typecheck
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(ETCD_BIN) $(ETCDCTL_BIN) lint typecheck
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)

@@ -60,6 +60,9 @@ def test_up_banner_and_status_show_the_nvme_tier(tmp_path: Path) -> None:
             moved = {k: v for k, v in c.items() if k.startswith(("dropped", "demotion")) and v}
             raise AssertionError(f"prompts {missed} missed after the puts; counters {moved}")
         client.close()
+        # The meta asked the server for heartbeats at the pressure interval while
+        # the puts pressed on DRAM (demotions queued by a waiting put start at once).
+        assert fetch_stats(grpc_addr).counters["pressure_beats"] > 0
 
         raw = json.loads(status(grpc_addr, "--json"))
         (srv,) = raw["servers"]
