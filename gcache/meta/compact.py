@@ -85,7 +85,7 @@ class CompactIndex:
             },
             {"hpos": -1},
         )
-        self._sums: dict[int, tuple[np.ndarray, RowTable]] = {}
+        self._sums: dict[int, RowTable] = {}  # checksum slabs by checksum length
         self.keys = KeyMap(self.blocks)
         self.live_blocks = 0
         self.live_objects = 0
@@ -166,45 +166,19 @@ class CompactIndex:
         return ids
 
     def _unindex(self, bid: int) -> None:
-        """Take a block just added out again (no parent link, no children)."""
+        """Take a block's key and row back (its parent's books are the caller's)."""
         self.keys.remove(bid)
         self.live_blocks -= 1
-        self.blocks.cols["ns"][bid] = 0xFFFF
+        self.blocks.cols["ns"][bid] = 0xFFFF  # never matches a lookup again
         self.blocks.give1(bid)
 
-    def add_chain(self, ns: int, keys: list[bytes], parent: int = -1, first_pos: int = 0) -> I32:
-        """The blocks of one prompt (each the parent of the next, the first a child
-        of ``parent``), created where missing; returns their ids. Keys already
-        indexed keep their block (and its parent)."""
-        _check_ns(ns)
+    def add_chain(self, ns: int, keys: list[bytes]) -> I32:
+        """The blocks of one prompt (the first a root, each the parent of the next),
+        created where missing (:meth:`add_blocks`); returns their ids."""
         k0, k1 = split_keys(keys)
-        ids = self.keys.find(ns, k0, k1)
-        missing = np.flatnonzero(ids < 0)
-        if missing.size:
-            self.keys.fit(self.live_blocks + missing.size)
-            new = self.blocks.take(missing.size)
-            ids[missing] = new
-            b = self.blocks.cols
-            b["k0"][new], b["k1"][new] = k0[missing], k1[missing]
-            b["ns"][new] = ns
-            b["pos"][new] = first_pos + missing
-            prev = np.empty(len(keys), dtype=np.int32)
-            prev[0] = parent
-            prev[1:] = ids[:-1]
-            parents = prev[missing]
-            b["parent"][new] = parents
-            self.keys.place(new)
-            self.live_blocks += missing.size
-            has = parents[parents >= 0]
-            if has.size:
-                became_parents = has[b["children"][has] == 0]
-                np.add.at(b["children"], has, 1)
-                hpos = self.objects.cols["hpos"]
-                for p in np.unique(became_parents):  # no longer leaves
-                    for o in b["obj"][p]:
-                        if o >= 0 and hpos[o] >= 0:
-                            self.heap.remove(int(o))
-        return ids
+        pk0, pk1 = np.zeros_like(k0), np.zeros_like(k1)
+        pk0[1:], pk1[1:] = k0[:-1], k1[:-1]
+        return self.add_blocks(ns, k0, k1, pk0, pk1, np.arange(len(keys), dtype=np.int32))
 
     def remove_block(self, bid: int) -> None:
         """Remove a block with no objects and no children. Its parent may become a
@@ -215,11 +189,8 @@ class CompactIndex:
         if b["children"][bid] or (b["obj"][bid] >= 0).any():
             raise CompactIndexError(f"block {bid} has children or objects")
         while bid >= 0:
-            self.keys.remove(bid)
-            self.live_blocks -= 1
-            b["ns"][bid] = 0xFFFF  # never matches a lookup again
             parent = int(b["parent"][bid])
-            self.blocks.give1(bid)
+            self._unindex(bid)
             bid = -1
             if parent >= 0:
                 b["children"][parent] -= 1
@@ -285,21 +256,13 @@ class CompactIndex:
         tier: int = 0,
     ) -> int:
         """Record the object of ``group`` of block ``bid``; returns its id."""
-        self._check_block(bid)
-        b = self.blocks.cols
-        if not 0 <= group < self.groups or b["obj"][bid, group] >= 0:
-            raise CompactIndexError(f"block {bid} group {group}: no such group or taken")
-        (oid,) = self.objects.take(1)
-        o = self.objects.cols
-        o["block"][oid], o["group"][oid], o["tier"][oid] = bid, group, tier
-        o["server"][oid], o["offset"][oid], o["length"][oid] = server, offset, length
-        o["tick"][oid] = tick
-        o["sums_len"][oid] = len(sums)
-        o["sums_slot"][oid] = self._sums_put(sums)
-        b["obj"][bid, group] = oid
-        self.live_objects += 1
-        if b["children"][bid] == 0 and not self.bulk:
-            self.heap.push(int(oid))
+        width = len(sums)
+        (oid,) = self.add_objects(
+            np.array([bid], dtype=np.int32), group, server,
+            np.array([offset], dtype=np.uint64), np.array([length], dtype=np.uint32),
+            np.frombuffer(sums, dtype=np.uint8).reshape(1, width), np.array([tick], np.uint64),
+            tier,
+        )  # fmt: skip
         return int(oid)
 
     def add_objects(
@@ -337,12 +300,9 @@ class CompactIndex:
         if width:
             slab = self._sums.get(width)
             if slab is None:
-                cols = RowTable({"s": ("u1", width)}, {})
-                slab = self._sums[width] = (cols.cols["s"], cols)
-            slots = slab[1].take(n)
-            arr = slab[1].cols["s"]
-            self._sums[width] = (arr, slab[1])
-            arr[slots] = sums
+                slab = self._sums[width] = RowTable({"s": ("u1", width)}, {})
+            slots = slab.take(n)
+            slab.cols["s"][slots] = sums
             o["sums_slot"][oids] = slots
         else:
             o["sums_slot"][oids] = -1
@@ -376,7 +336,7 @@ class CompactIndex:
     def sums(self, oid: int) -> bytes:
         o = self.objects.cols
         n = int(o["sums_len"][oid])
-        return self._sums[n][0][o["sums_slot"][oid]].tobytes() if n else b""
+        return self._sums[n].cols["s"][o["sums_slot"][oid]].tobytes() if n else b""
 
     def touch(self, oids: I32, tick: int) -> None:
         """Mark objects used at ``tick`` (a lookup's hits): later victims."""
@@ -400,30 +360,15 @@ class CompactIndex:
 
     # -- checksum slabs ------------------------------------------------------------
 
-    def _sums_put(self, sums: bytes) -> int:
-        n = len(sums)
-        if not n:
-            return -1
-        slab = self._sums.get(n)
-        if slab is None:
-            cols = RowTable({"s": ("u1", n)}, {})
-            slab = self._sums[n] = (cols.cols["s"], cols)
-        cols = slab[1]
-        (slot,) = cols.take(1)
-        arr = cols.cols["s"]
-        self._sums[n] = (arr, cols)
-        arr[slot] = np.frombuffer(sums, dtype=np.uint8)
-        return int(slot)
-
     def _sums_free(self, n: int, slot: int) -> None:
         if n:
-            self._sums[n][1].give1(slot)
+            self._sums[n].give1(slot)
 
     # -- accounting ----------------------------------------------------------------
 
     def nbytes(self) -> int:
         """Bytes the index's arrays hold for the rows in use."""
-        sums = sum(cols.nbytes() for _, cols in self._sums.values())
+        sums = sum(slab.nbytes() for slab in self._sums.values())
         return (
             self.blocks.nbytes()
             + self.objects.nbytes()
