@@ -1,6 +1,6 @@
 """The native part of the package (everything else is in pyproject.toml).
 
-``gcache._native._dataplane`` is compiled here with the system C compiler at
+``gcache._native._dataplane`` (and ``_index``, the compact index's kernels) is compiled here with the system C compiler at
 ``pip install`` (``make test`` does that on a clean clone). It needs the xxHash
 headers and library: Debian/Ubuntu ``libxxhash-dev`` (``make`` installs it when
 missing). Without them the build fails with one line saying so, rather than
@@ -37,7 +37,12 @@ setup(
             libraries=["xxhash"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             extra_link_args=["-pthread"],
-        )
+        ),
+        Extension(
+            "gcache._native._index",
+            sources=["gcache/_native/_index.c"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        ),
     ],
     cmdclass={"build_ext": BuildExt},
 )

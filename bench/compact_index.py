@@ -1,7 +1,8 @@
 """The compact index (``gcache/meta/compact.py``) against the index ``MetaCore`` runs
 on today, in process, on the same prompts.
 
-    python -m bench.compact_index [--blocks 1M,10M] [--anchor-blocks 1M] [--json FILE]
+    python -m bench.compact_index [--blocks 1M,10M] [--anchor-blocks 1M] \
+        [--python-blocks 1M] [--json FILE]
 
 Both sides get the prompts of ``bench.meta_scale`` (random 16-byte block keys, a
 third of the blocks in each of 4k, 32k and 128k-token prompts of 64-token blocks,
@@ -11,8 +12,12 @@ checksums, window objects at each prompt's end as ``Layout.groups_to_store`` say
 * **compact**: ``CompactIndex.add_chain`` + ``add_objects`` per prompt (4 servers
   in turn); a lookup is ``match`` of the full group (a binary search of probes, as
   the meta's); a leased lookup also finds every matched block (one vectorised
-  probe) and ``touch``-es their objects; eviction is ``victim`` +
-  ``remove_object`` until 100,000 objects (at most half of them) went.
+  probe), ``touch``-es their objects and ``pin``-s them, then ``unpin``-s them
+  (the release); eviction is ``victim`` + ``remove_object`` until 100,000
+  objects (at most half of them) went. With the C kernels (``gcache/_native/
+  _index.c``: heap sifts, probes, the lookup's binary search) when built; the
+  **compact (Python)** side, at ``--python-blocks``, runs the same without them
+  (``native=False``).
 * **anchor** (``MetaCore``, at ``--anchor-blocks``): ``put_begin`` + ``put_commit``
   per prompt, a lookup is ``MetaCore.lookup`` unleased, a leased one is
   ``MetaCore.lookup(lease=True)`` + ``release`` (which also builds the reply's
@@ -22,9 +27,9 @@ checksums, window objects at each prompt's end as ``Layout.groups_to_store`` say
 Each side runs in its own process (RSS is not shared or reused between them). RSS
 per block: VmRSS after the fill minus VmRSS before it (the keys already in memory),
 over the blocks indexed. The compact index also prints the bytes its arrays hold.
-The two differ in scope, stated in the table: the anchor's records carry what the
-meta needs beyond this index (pins, owners, scores, rings per server, allocator
-books), which the compact index does not hold yet.
+The two differ in scope: the anchor's records also carry the rings per server
+and the allocator books, which the compact index does not hold (its columns do
+hold pins, owners, scores, promotion hits and both tiers' eviction order).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def latencies(out: dict[str, Any], length: int, lat: list[float], leased: list[f
     out[f"leased_{size}_p99_us"] = round(pct(leased, 99) * 1e6, 1)
 
 
-def run_compact(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
+def run_compact(n_blocks: int, lookups: int, seed: int, native: bool = True) -> dict[str, Any]:
     from gcache.meta.compact import CompactIndex
     from gcache.meta.keymap import split_keys
 
@@ -71,7 +76,9 @@ def run_compact(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
     prompts = make_prompts(plan(n_blocks), seed)
     gc.collect()
     before = rss_kib(os.getpid())
-    ix = CompactIndex(groups=layout.num_groups)
+    ix = CompactIndex(groups=layout.num_groups, native=native)
+    tails = layout.group_tail_blocks
+    ix.namespace(0, tails.index(None) if None in tails else None)
     tick = 0
     offset = 0
     t0 = time.perf_counter()
@@ -99,7 +106,7 @@ def run_compact(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
     after = rss_kib(os.getpid())
     blocks = ix.stats()["blocks"]
     out: dict[str, Any] = {
-        "side": "compact",
+        "side": "compact" if native else "compact (Python)",
         "blocks": blocks,
         "objects": ix.stats()["objects"],
         "fill_s": round(fill_s, 2),
@@ -121,7 +128,10 @@ def run_compact(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
             n = ix.match(0, ks, 0)
             k0, k1 = split_keys(ks[:n])
             tick += 1
-            ix.touch(ix.blocks.cols["obj"][ix.find(0, k0, k1), 0], tick)
+            oids = ix.blocks.cols["obj"][ix.find(0, k0, k1), 0]
+            ix.touch(oids, tick)
+            ix.pin(oids)
+            ix.unpin(oids)
             leased.append(time.perf_counter() - t)
         latencies(out, length, lat, leased)
     t = time.perf_counter()
@@ -131,12 +141,16 @@ def run_compact(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
     out["evict_us_per_object"] = round((time.perf_counter() - t) / went * 1e6, 2)
     del ix
     gc.collect()
-    out.update(rebuild_compact(prompts, layout, widths, sizes))
+    out.update(rebuild_compact(prompts, layout, widths, sizes, native))
     return out
 
 
 def rebuild_compact(
-    prompts: dict[int, list[list[bytes]]], layout: Any, widths: list[int], sizes: list[int]
+    prompts: dict[int, list[list[bytes]]],
+    layout: Any,
+    widths: list[int],
+    sizes: list[int],
+    native: bool,
 ) -> dict[str, Any]:
     """The same blocks as the servers report them: rows (key, parent key, position,
     groups) merged by position across prompts (as ``meta/streams.py`` hands them
@@ -158,7 +172,9 @@ def rebuild_compact(
     pk0[pos == 0] = 0
     pk1[pos == 0] = 0
     order = np.argsort(pos, kind="stable")
-    ix = CompactIndex(groups=layout.num_groups)
+    ix = CompactIndex(groups=layout.num_groups, native=native)
+    tails = layout.group_tail_blocks
+    ix.namespace(0, tails.index(None) if None in tails else None)
     t0 = time.perf_counter()
     ix.begin_bulk()
     off = 0
@@ -274,17 +290,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=parse_sizes, default=parse_sizes("1M"))
     ap.add_argument("--anchor-blocks", type=parse_sizes, default=parse_sizes("1M"),
                     help="MetaCore's index at these sizes (the anchor)")  # fmt: skip
+    ap.add_argument("--python-blocks", type=parse_sizes, default=[],
+                    help="the compact index without its C kernels at these sizes")  # fmt: skip
     ap.add_argument("--lookups", type=int, default=1000, help="lookups per prompt length")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--side", choices=["compact", "anchor"], help=argparse.SUPPRESS)
+    ap.add_argument("--side", choices=["compact", "python", "anchor"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.side:  # one side in this process (the parent runs each in its own)
-        run = run_compact if args.side == "compact" else run_anchor
-        print(json.dumps(run(args.blocks[0], args.lookups, args.seed)))
+        if args.side == "anchor":
+            row = run_anchor(args.blocks[0], args.lookups, args.seed)
+        else:
+            row = run_compact(args.blocks[0], args.lookups, args.seed, args.side == "compact")
+        print(json.dumps(row))
         return
     rows = []
     jobs = [("anchor", n) for n in args.anchor_blocks] + [("compact", n) for n in args.blocks]
+    jobs += [("python", n) for n in args.python_blocks]
     for side, n in jobs:
         cmd = [sys.executable, "-m", "bench.compact_index", "--side", side, "--blocks", str(n),
                "--lookups", str(args.lookups), "--seed", str(args.seed)]  # fmt: skip
@@ -294,14 +316,15 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
         print(f"# {side} {n:,} blocks done", file=sys.stderr, flush=True)
     print(table(rows))
-    base = [r for r in rows if r["side"] != "compact"]
+    base = [r for r in rows if r["side"].startswith("anchor")]
     for r in rows:
-        if r["side"] == "compact" and base:
+        if r["side"].startswith("compact") and base:
             b = base[0]
-            print(f"compact at {r['blocks']:,} blocks / anchor at {b['blocks']:,}: RSS per block "
-                  f"{r['rss_per_block'] / b['rss_per_block']:.2f}x, 32k lookup p99 "
+            print(f"{r['side']} at {r['blocks']:,} blocks / anchor at {b['blocks']:,}: RSS per "
+                  f"block {r['rss_per_block'] / b['rss_per_block']:.2f}x, 32k lookup p99 "
                   f"{r['lookup_32k_p99_us'] / b['lookup_32k_p99_us']:.2f}x, fill rate "
-                  f"{r['fill_blocks_per_s'] / b['fill_blocks_per_s']:.2f}x")  # fmt: skip
+                  f"{r['fill_blocks_per_s'] / b['fill_blocks_per_s']:.2f}x, eviction "
+                  f"{r['evict_us_per_object'] / b['evict_us_per_object']:.2f}x")  # fmt: skip
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows, "argv": sys.argv[1:]}, fh, indent=2)

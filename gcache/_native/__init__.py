@@ -27,6 +27,7 @@ from gcache._native import fallback
 
 __all__ = [
     "CHECKSUM",
+    "INDEX_KERNELS",
     "NATIVE",
     "LayerCopy",
     "checksums",
@@ -48,6 +49,17 @@ except ImportError as exc:  # a build without the extension: still correct, slow
     _dataplane = None  # type: ignore[assignment]
 
 NATIVE: Final = _dataplane is not None and os.environ.get("GCACHE_NATIVE", "1") != "0"
+
+# The compact index's kernels (``_index.c``: heap sifts, key probes, a lookup's
+# binary search) over its numpy columns; None: the index's own Python loops, the
+# same results (``GCACHE_NATIVE=0`` or no build; the tests run both).
+try:
+    from gcache._native import _index
+except ImportError as exc:
+    log.warning("native index kernels unavailable (%s): using the Python path", exc)
+    _index = None  # type: ignore[assignment]
+
+INDEX_KERNELS: Final = _index if os.environ.get("GCACHE_NATIVE", "1") != "0" else None
 
 
 def checksums(src: Sequence[Buffer], group: int) -> bytes:

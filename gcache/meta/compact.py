@@ -1,10 +1,9 @@
 """A compact index: blocks, objects and the LRU eviction order in columnar arrays
 sized for 100M blocks, instead of one Python object per block and per object.
 
-Not wired into :class:`~gcache.meta.core.MetaCore` yet (see docs/performance.md,
-"The compact index"): this module is the data structure and its invariants, tested
-against a model (tests/unit/test_compact_index.py, a hypothesis state machine) and
-measured by ``python -m bench.compact_index``.
+Not wired into :class:`~gcache.meta.core.MetaCore` yet (docs/performance.md, "The
+compact index"): tested against a model (tests/unit/test_compact_index.py, hypothesis
+state machines) and measured by ``python -m bench.compact_index``.
 
 Layout (ids are ``int32`` row numbers, reused through free stacks):
 
@@ -12,38 +11,47 @@ Layout (ids are ``int32`` row numbers, reused through free stacks):
   (``uint16``: namespaces interned by the caller), parent block (-1: a root),
   position, children count, and one object id per layout group (``obj[b, g]``,
   -1: none).
-* **the key map**: an open-addressing table of block ids (linear probing, the
-  key's first 8 bytes mixed with the namespace as the hash: block keys are chained
-  hashes already), probed for a whole prompt at once with numpy; deletions leave
-  tombstones, rehashed away when they pass a quarter of the table.
+* **the key map** (:class:`~gcache.meta.keymap.KeyMap`): an open-addressing table
+  of block ids, probed for a whole prompt at once; it answers lookups.
 * **objects**: block, group, tier, server (``uint16``), offset, length, access
   tick (``uint64``, a counter: no ties), and the per-layer checksums in a slab per
   checksum length (``sums[L][slot]``).
-* **eviction order**: an indexed binary min-heap of the *evictable* objects (those
-  whose block has no children) keyed by access tick: ``victim()`` is the least
-  recently used leaf, as the meta's LRU policy picks it; a block becomes a leaf
-  when its last child goes (its objects enter the heap), and stops being one when
-  a child is added (they leave it).
+* **eviction order** (:class:`~gcache.meta.leaves.Leaves`): per tier, an indexed
+  binary min-heap of the *evictable* objects keyed by access tick, with the
+  meta's rules: unpinned, and windowed, or the full object of a block with no
+  child in its tier (``hot``: children whose full object is in DRAM; for NVMe any
+  child). ``victim(tier)`` is the least recently used of them, as the meta's LRU
+  policy picks it.
+* **what the meta keeps per object** besides: lease pins, the promotion hits
+  (``LEAVING_DRAM`` marks a full DRAM object being demoted: its parent no longer
+  counts it as hot), the owning tenant (an id the caller interns) and the cost
+  policy's score. An object evicted while pinned is *detached*: out of its block
+  and the heaps, its row (and range) held until its last pin goes (``unpin``).
 
-A lookup of the prefix-closed full group is a binary search of scalar probes
-(``match``, as the meta's ``present_prefix``); a report chunk is loaded as columns
-(``add_blocks`` + ``add_objects`` between ``begin_bulk`` and ``end_bulk``, the heap
-built once by a sort). Namespace ids are 0..65534 (65535 marks a removed block).
+A report chunk is loaded as columns (``add_blocks`` + ``add_objects`` between
+``begin_bulk`` and ``end_bulk``, the heaps built once by a sort). Namespace ids
+are 0..65534 (65535 marks a removed block).
 No I/O, no clock (ticks are the caller's), nothing per block outside the arrays.
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
 from gcache.errors import CompactIndexError
 from gcache.meta.keymap import KeyMap, split_keys
-from gcache.meta.rowtable import RowTable
-from gcache.meta.tickheap import TickHeap
+from gcache.meta.leaves import NO_FULL, Leaves
+from gcache.meta.rowtable import RowTable, Slabs
 
 I32 = npt.NDArray[np.int32]
 U64 = npt.NDArray[np.uint64]
+Freed = tuple[int, int, int, int]  # (server, tier, offset, length) of an object gone
+
+DETACHED: Final = -2  # an object's block once evicted while pinned (-1: a free row)
+LEAVING_DRAM: Final = -2  # ``hits`` of a full DRAM object being demoted
 
 
 def _check_ns(ns: int) -> None:
@@ -54,7 +62,7 @@ def _check_ns(ns: int) -> None:
 class CompactIndex:
     """Blocks and objects of many namespaces in columns; see the module docstring."""
 
-    def __init__(self, groups: int = 4) -> None:
+    def __init__(self, groups: int = 4, native: bool = True) -> None:
         if not 1 <= groups <= 255:
             raise CompactIndexError(f"groups must be in 1..255, got {groups}")
         self.groups = groups
@@ -66,9 +74,10 @@ class CompactIndex:
                 "parent": ("<i4", 0),
                 "pos": ("<u4", 0),
                 "children": ("<i4", 0),
+                "hot": ("<i4", 0),
                 "obj": ("<i4", groups),
             },
-            {"children": 0, "obj": -1},
+            {"children": 0, "hot": 0, "obj": -1},
         )
         self.objects = RowTable(
             {
@@ -82,15 +91,31 @@ class CompactIndex:
                 "sums_len": ("<u2", 0),
                 "sums_slot": ("<i4", 0),
                 "hpos": ("<i4", 0),
+                "pins": ("<i4", 0),
+                "hits": ("<i2", 0),
+                "owner": ("<u2", 0),
+                "score": ("<f4", 0),
             },
-            {"hpos": -1},
+            {"hpos": -1, "pins": 0, "hits": 0, "score": 0},
         )
-        self._sums: dict[int, RowTable] = {}  # checksum slabs by checksum length
-        self.keys = KeyMap(self.blocks)
+        self.sums_slabs = Slabs()  # each object's checksums, a slab per length
+        self.keys = KeyMap(self.blocks, native)
         self.live_blocks = 0
         self.live_objects = 0
-        self.heap = TickHeap(self.objects)
-        self.bulk = False  # see begin_bulk
+        self.leaves = Leaves(self.blocks, self.objects, native)
+        self.detached = 0  # objects evicted while pinned, rows held
+
+    def namespace(self, ns: int, full_group: int | None) -> None:
+        """Declare namespace ``ns``'s prefix-closed (full-attention) group (None:
+        every group windowed), before its first object."""
+        _check_ns(ns)
+        if full_group is not None and not 0 <= full_group < self.groups:
+            raise CompactIndexError(f"full group {full_group} of {self.groups}")
+        self.leaves.full[ns] = NO_FULL if full_group is None else full_group
+
+    @property
+    def bulk(self) -> bool:
+        return self.leaves.bulk
 
     # -- blocks --------------------------------------------------------------------
 
@@ -98,20 +123,11 @@ class CompactIndex:
         """Bulk loading (a rebuild from the servers' reports): the eviction heap is
         not kept while blocks and objects arrive, and is built once, by one sort,
         in :meth:`end_bulk` (``victim`` answers -1 meanwhile)."""
-        self.bulk = True
-        hpos = self.objects.cols["hpos"]
-        hpos[self.heap.heap[: self.heap.size]] = -1
-        self.heap.size = 0
+        self.leaves.begin_bulk()
 
     def end_bulk(self) -> None:
-        """The eviction heap of every object whose block has no children."""
-        self.bulk = False
-        rows = self.objects.rows
-        o = self.objects.cols
-        live = np.flatnonzero(o["block"][:rows] >= 0).astype(np.int32)
-        leaves = live[self.blocks.cols["children"][o["block"][live]] == 0]
-        self.heap.size = 0
-        self.heap.push_many(leaves, sort=True)
+        """The eviction heaps of every evictable object, by one sort each."""
+        self.leaves.rebuild()
 
     def add_blocks(self, ns: int, k0: U64, k1: U64, pk0: U64, pk1: U64, pos: I32) -> I32:
         """Blocks of a report chunk, each with its parent's key (``pk0 == pk1 ==
@@ -156,13 +172,8 @@ class CompactIndex:
         b["parent"][ids[take]] = pid[take]
         parents = pid[take][pid[take] >= 0]
         if parents.size:
-            if not self.bulk:
-                hpos = self.objects.cols["hpos"]
-                leafs = np.unique(parents[b["children"][parents] == 0])
-                for o in b["obj"][leafs].ravel():
-                    if o >= 0 and hpos[o] >= 0:
-                        self.heap.remove(int(o))
-            np.add.at(b["children"], parents, 1)
+            np.add.at(b["children"], parents, 1)  # an NVMe full object: no more a leaf
+            self.leaves.refresh(b["obj"][np.unique(parents)].ravel())
         return ids
 
     def _unindex(self, bid: int) -> None:
@@ -197,8 +208,7 @@ class CompactIndex:
                 if b["children"][parent] == 0:
                     objs = b["obj"][parent]
                     live = objs[objs >= 0]
-                    for o in live if not self.bulk else ():
-                        self.heap.push(int(o))
+                    self.leaves.refresh(live)
                     if not live.size:
                         bid = parent  # nothing left in it: pruned
         self.keys.fit(self.live_blocks)
@@ -212,37 +222,13 @@ class CompactIndex:
         return self.keys.find(ns, k0, k1)
 
     def match(self, ns: int, keys: list[bytes], group: int) -> int:
-        """How many leading keys have an object of ``group``, for a group whose
-        objects are prefix-closed (the full-attention group: only leaves are
-        evicted): a binary search of :meth:`find1` probes, as the meta's
-        ``present_prefix``. :meth:`prefix` is the general (vectorised) form."""
-        obj = self.blocks.cols["obj"]
-
-        def has(i: int) -> bool:
-            bid = self.keys.find1(ns, keys[i])
-            return bid >= 0 and int(obj[bid, group]) >= 0
-
-        lo, hi = 0, len(keys)
-        if hi and has(hi - 1):
-            return hi
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if has(mid):
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        """How many leading keys have an object of ``group``, a prefix-closed
+        group (binary search; ``KeyMap.match``)."""
+        return self.keys.match(ns, keys, group)
 
     def prefix(self, ns: int, keys: list[bytes], group: int) -> int:
-        """How many leading keys have an object of ``group`` (a lookup's match)."""
-        k0, k1 = split_keys(keys)
-        ids = self.keys.find(ns, k0, k1)
-        have = ids >= 0
-        objs = np.where(have, self.blocks.cols["obj"][np.where(have, ids, 0), group], -1)
-        gaps = np.flatnonzero(objs < 0)
-        return int(gaps[0]) if gaps.size else len(keys)
-
-    # -- objects -------------------------------------------------------------------
+        """How many leading keys have an object of ``group`` (vectorised)."""
+        return self.keys.prefix(ns, keys, group)
 
     def add_object(
         self,
@@ -254,6 +240,7 @@ class CompactIndex:
         sums: bytes,
         tick: int,
         tier: int = 0,
+        owner: int = 0,
     ) -> int:
         """Record the object of ``group`` of block ``bid``; returns its id."""
         width = len(sums)
@@ -261,7 +248,7 @@ class CompactIndex:
             np.array([bid], dtype=np.int32), group, server,
             np.array([offset], dtype=np.uint64), np.array([length], dtype=np.uint32),
             np.frombuffer(sums, dtype=np.uint8).reshape(1, width), np.array([tick], np.uint64),
-            tier,
+            tier, owner,
         )  # fmt: skip
         return int(oid)
 
@@ -275,6 +262,7 @@ class CompactIndex:
         sums: npt.NDArray[np.uint8],
         ticks: U64,
         tier: int = 0,
+        owner: int = 0,
     ) -> I32:
         """:meth:`add_object` for many blocks at once (a put's prompt, a server's
         report): ``sums`` is one row of checksum bytes per object. A large batch of
@@ -288,67 +276,146 @@ class CompactIndex:
             raise CompactIndexError("unknown block ids")
         if not 0 <= group < self.groups or (b["obj"][bids, group] >= 0).any():
             raise CompactIndexError(f"group {group}: no such group, or an object is there")
+        if tier not in (0, 1):
+            raise CompactIndexError(f"tier {tier}: 0 (DRAM) or 1 (NVMe)")
         if np.unique(bids).size != n:
             raise CompactIndexError("a block named twice")
         oids = self.objects.take(n)
         o = self.objects.cols
         o["block"][oids], o["group"][oids], o["tier"][oids] = bids, group, tier
         o["server"][oids], o["offset"][oids], o["length"][oids] = server, offsets, lengths
-        o["tick"][oids] = ticks
-        width = sums.shape[1] if sums.ndim == 2 else 0
-        o["sums_len"][oids] = width
-        if width:
-            slab = self._sums.get(width)
-            if slab is None:
-                slab = self._sums[width] = RowTable({"s": ("u1", width)}, {})
-            slots = slab.take(n)
-            slab.cols["s"][slots] = sums
-            o["sums_slot"][oids] = slots
-        else:
-            o["sums_slot"][oids] = -1
+        o["tick"][oids], o["owner"][oids] = ticks, owner
+        o["sums_len"][oids] = sums.shape[1] if sums.ndim == 2 else 0
+        o["sums_slot"][oids] = self.sums_slabs.put(sums)
         b["obj"][bids, group] = oids
         self.live_objects += n
-        if not self.bulk:
-            self.heap.push_many(oids[b["children"][bids] == 0])
+        if tier == 0:  # full DRAM objects make their parents' blocks hot
+            hot = bids[self.leaves.full[b["ns"][bids]] == group]
+            parents = b["parent"][hot]
+            np.add.at(b["hot"], parents[parents >= 0], 1)
+        self.leaves.refresh(np.concatenate([oids, self.leaves.parents_full(bids)]))
         return oids
 
-    def remove_object(self, oid: int) -> tuple[int, int, int, int]:
-        """Remove an object; returns (server, tier, offset, length) to free. Its
-        block is removed too when it holds nothing else and has no children."""
+    def _hot_step(self, oid: int, step: int) -> None:
+        """A full DRAM object arrives in (+1) or leaves (-1) its parent's hot
+        count; the parent's full object may become or stop being a DRAM leaf."""
+        o, b = self.objects.cols, self.blocks.cols
+        bid = int(o["block"][oid])
+        if int(o["group"][oid]) != self.leaves.full_of(bid):
+            return
+        parent = int(b["parent"][bid])
+        if parent >= 0:
+            b["hot"][parent] += step
+            self.leaves.refresh1(int(b["obj"][parent, self.leaves.full_of(bid)]))
+
+    def remove_object(self, oid: int) -> Freed:
+        """Take an object out of the index (an eviction); returns (server, tier,
+        offset, length). Its block is removed too when it holds nothing else and
+        has no children. An object a lease pins is *detached*: its row and range
+        stay held (``detached``) until :meth:`unpin` lets its last pin go, which
+        returns it to be freed then; the caller frees nothing now."""
         o = self.objects.cols
         if not 0 <= oid < self.objects.rows or o["block"][oid] < 0:
             raise CompactIndexError(f"no object {oid}")
-        if o["hpos"][oid] >= 0:
-            self.heap.remove(int(oid))
+        self.leaves.take_out(oid)
+        if o["tier"][oid] == 0 and o["hits"][oid] != LEAVING_DRAM:
+            self._hot_step(oid, -1)
         bid, group = int(o["block"][oid]), int(o["group"][oid])
         b = self.blocks.cols
         b["obj"][bid, group] = -1
         out = (int(o["server"][oid]), int(o["tier"][oid]), int(o["offset"][oid]),
                int(o["length"][oid]))  # fmt: skip
-        self._sums_free(int(o["sums_len"][oid]), int(o["sums_slot"][oid]))
-        o["block"][oid] = -1
-        self.objects.give1(oid)
         self.live_objects -= 1
+        if o["pins"][oid]:
+            o["block"][oid] = DETACHED
+            self.detached += 1
+        else:
+            self._free_row(oid)
         if b["children"][bid] == 0 and not (b["obj"][bid] >= 0).any():
             self.remove_block(bid)
         return out
 
+    def _free_row(self, oid: int) -> None:
+        o = self.objects.cols
+        self.sums_slabs.free(int(o["sums_len"][oid]), int(o["sums_slot"][oid]))
+        o["block"][oid] = -1
+        self.objects.give1(oid)
+
+    def pin(self, oids: I32) -> None:
+        """A lease holds ``oids`` (each as often as named): not evictable until
+        unpinned."""
+        self._check_live(oids)
+        np.add.at(self.objects.cols["pins"], oids, 1)
+        self.leaves.refresh(oids)
+
+    def unpin(self, oids: I32) -> list[Freed]:
+        """A lease on ``oids`` ended. Returns (server, tier, offset, length) of the
+        detached objects whose last pin this was: theirs to free now."""
+        o = self.objects.cols
+        if oids.size and (
+            not ((oids >= 0) & (oids < self.objects.rows)).all() or (o["pins"][oids] <= 0).any()
+        ):
+            raise CompactIndexError("unpin of an object no lease holds")
+        np.add.at(o["pins"], oids, -1)
+        freed = []
+        for oid in np.unique(oids[o["block"][oids] == DETACHED]).tolist():
+            if o["pins"][oid] == 0:
+                freed.append((int(o["server"][oid]), int(o["tier"][oid]), int(o["offset"][oid]),
+                              int(o["length"][oid])))  # fmt: skip
+                self._free_row(oid)
+                self.detached -= 1
+        self.leaves.refresh(oids[o["block"][oids] >= 0])
+        return freed
+
+    def move_tier(self, oid: int, tier: int, offset: int) -> None:
+        """A finished demotion (to 1, NVMe) or promotion (to 0, DRAM): the object
+        is now its copy at ``offset`` of ``tier`` on the same server."""
+        o = self.objects.cols
+        self._check_live(np.array([oid], dtype=np.int32))
+        if tier not in (0, 1):
+            raise CompactIndexError(f"tier {tier}: 0 (DRAM) or 1 (NVMe)")
+        self.leaves.take_out(oid)
+        if o["tier"][oid] == 0 and o["hits"][oid] != LEAVING_DRAM:
+            self._hot_step(oid, -1)
+        o["tier"][oid], o["offset"][oid], o["hits"][oid] = tier, offset, 0
+        if tier == 0:
+            self._hot_step(oid, 1)
+        self.leaves.refresh1(oid)
+
+    def leaving(self, oid: int, on: bool) -> None:
+        """Mark a full DRAM object as being demoted (its parent stops counting it
+        as hot, so a whole prompt demotes in one pass), or unmark it (the
+        demotion failed)."""
+        o = self.objects.cols
+        self._check_live(np.array([oid], dtype=np.int32))
+        if o["tier"][oid] != 0 or (o["hits"][oid] == LEAVING_DRAM) == on:
+            raise CompactIndexError(f"object {oid}: not a DRAM object to mark leaving={on}")
+        o["hits"][oid] = LEAVING_DRAM if on else 0
+        self._hot_step(oid, -1 if on else 1)
+
+    def _check_live(self, oids: I32) -> None:
+        o = self.objects.cols
+        if oids.size and (
+            not ((oids >= 0) & (oids < self.objects.rows)).all() or (o["block"][oids] < 0).any()
+        ):
+            raise CompactIndexError("unknown object ids")
+
     def sums(self, oid: int) -> bytes:
         o = self.objects.cols
-        n = int(o["sums_len"][oid])
-        return self._sums[n].cols["s"][o["sums_slot"][oid]].tobytes() if n else b""
+        return self.sums_slabs.get(int(o["sums_len"][oid]), int(o["sums_slot"][oid]))
 
     def touch(self, oids: I32, tick: int) -> None:
         """Mark objects used at ``tick`` (a lookup's hits): later victims."""
         o = self.objects.cols
         o["tick"][oids] = tick
-        hpos = o["hpos"]
-        for oid in oids[hpos[oids] >= 0]:
-            self.heap.rekey(int(oid))
+        hpos, tier = o["hpos"], o["tier"]
+        heaps = self.leaves.heaps
+        for oid in oids[hpos[oids] >= 0].tolist():
+            heaps[int(tier[oid])].rekey(oid)
 
-    def victim(self) -> int:
-        """The least recently used object whose block has no children (-1: none)."""
-        return self.heap.top()
+    def victim(self, tier: int = 0) -> int:
+        """The least recently used evictable object of ``tier`` (-1: none)."""
+        return self.leaves.victim(tier)
 
     def server_objects(self, server: int) -> I32:
         """Ids of the live objects on ``server`` (one vectorised scan)."""
@@ -358,30 +425,25 @@ class CompactIndex:
             np.int32
         )
 
-    # -- checksum slabs ------------------------------------------------------------
-
-    def _sums_free(self, n: int, slot: int) -> None:
-        if n:
-            self._sums[n].give1(slot)
-
     # -- accounting ----------------------------------------------------------------
 
     def nbytes(self) -> int:
         """Bytes the index's arrays hold for the rows in use."""
-        sums = sum(slab.nbytes() for slab in self._sums.values())
+        sums = self.sums_slabs.nbytes()
         return (
             self.blocks.nbytes()
             + self.objects.nbytes()
             + sums
             + self.keys.nbytes()
-            + self.heap.nbytes()
+            + self.leaves.nbytes()
         )
 
     def stats(self) -> dict[str, int]:
         return {
             "blocks": self.live_blocks,
             "objects": self.live_objects,
-            "evictable": self.heap.size,
+            "evictable": self.leaves.size(),
+            "detached": self.detached,
             "table_slots": int(self.keys.table.size),
             "tombstones": self.keys.tombs,
             "bytes": self.nbytes(),

@@ -5,7 +5,8 @@ the key's first 8 bytes mixed with the namespace (block keys are chained hashes
 already). The table stays at most half full, tombstones counted; a removal leaves
 a tombstone, and once they pass a quarter of the table it is rehashed. Probes for
 many keys run as one numpy loop (a prompt, a report chunk); ``find1`` probes one
-key with scalar reads (a lookup's binary search). No I/O."""
+key (a lookup's binary search), in C when the native kernels are built
+(``gcache._native.INDEX_KERNELS``), else with scalar reads. No I/O."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from gcache._native import INDEX_KERNELS
 from gcache.errors import CompactIndexError
 from gcache.meta.rowtable import MIN_ROWS, RowTable
 
@@ -42,10 +44,11 @@ def split_keys(keys: list[bytes]) -> tuple[U64, U64]:
 
 
 class KeyMap:
-    def __init__(self, blocks: RowTable) -> None:
+    def __init__(self, blocks: RowTable, native: bool = True) -> None:
         self.blocks = blocks  # has "k0", "k1" (uint64) and "ns" (uint16) columns
         self.table = np.full(4 * MIN_ROWS, EMPTY, dtype=np.int32)
         self.tombs = 0
+        self.kernels = INDEX_KERNELS if native else None
 
     def find(self, ns: int, k0: U64, k1: U64) -> I32:
         """Block ids of keys (-1: not indexed), one probe loop for all of them."""
@@ -67,6 +70,11 @@ class KeyMap:
 
     def find1(self, ns: int, key: bytes) -> int:
         """The block id of one key (-1: not indexed): scalar probes, no arrays."""
+        if len(key) != 16:
+            raise CompactIndexError(f"block keys are 16 bytes, got {len(key)}")
+        if self.kernels is not None:
+            b = self.blocks.cols
+            return int(self.kernels.key_find1(self.table, b["k0"], b["k1"], b["ns"], key, ns))
         k0 = int.from_bytes(key[:8], "little")
         k1 = int.from_bytes(key[8:16], "little")
         mask = self.table.size - 1
@@ -80,6 +88,49 @@ class KeyMap:
             if t >= 0 and int(bk0[t]) == k0 and int(bk1[t]) == k1 and int(bns[t]) == ns:
                 return t
             h = (h + 1) & mask
+
+    def match(self, ns: int, keys: list[bytes], group: int) -> int:
+        """How many leading keys have an object of ``group``, for a group whose
+        objects are prefix-closed (the full-attention group: only leaves are
+        evicted): a binary search of :meth:`find1` probes, as the meta's
+        ``present_prefix``. :meth:`prefix` is the general (vectorised) form."""
+        k = self.kernels
+        b = self.blocks.cols  # the blocks' "obj" column: an object id per group
+        if k is not None:
+            try:
+                return int(k.match(
+                    self.table, b["k0"], b["k1"], b["ns"], b["obj"], b["obj"].shape[1], ns,
+                    keys if type(keys) is list else list(keys), group,
+                ))  # fmt: skip
+            except ValueError as exc:
+                raise CompactIndexError(str(exc)) from exc
+        obj = b["obj"]
+
+        def has(i: int) -> bool:
+            bid = self.find1(ns, keys[i])
+            return bid >= 0 and int(obj[bid, group]) >= 0
+
+        lo, hi = 0, len(keys)
+        if hi and has(hi - 1):
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if has(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def prefix(self, ns: int, keys: list[bytes], group: int) -> int:
+        """How many leading keys have an object of ``group`` (a lookup's match)."""
+        k0, k1 = split_keys(keys)
+        ids = self.find(ns, k0, k1)
+        have = ids >= 0
+        objs = np.where(have, self.blocks.cols["obj"][np.where(have, ids, 0), group], -1)
+        gaps = np.flatnonzero(objs < 0)
+        return int(gaps[0]) if gaps.size else len(keys)
+
+    # -- objects -------------------------------------------------------------------
 
     def place(self, ids: I32) -> None:
         """Put block ``ids`` (their keys not in the table) into the table."""
@@ -103,10 +154,15 @@ class KeyMap:
     def remove(self, bid: int) -> None:
         """Take block ``bid``'s key out (a tombstone in its slot)."""
         b = self.blocks.cols
-        mask = self.table.size - 1
-        slot = (int(b["k0"][bid]) ^ ns_mix(int(b["ns"][bid]))) & mask
-        while self.table[slot] != bid:
-            slot = (slot + 1) & mask
+        if self.kernels is not None:
+            slot = self.kernels.key_slot(self.table, b["k0"], b["ns"], bid)
+            if slot < 0:
+                raise CompactIndexError(f"block {bid} is not in the key map")
+        else:
+            mask = self.table.size - 1
+            slot = (int(b["k0"][bid]) ^ ns_mix(int(b["ns"][bid]))) & mask
+            while self.table[slot] != bid:
+                slot = (slot + 1) & mask
         self.table[slot] = TOMB
         self.tombs += 1
 

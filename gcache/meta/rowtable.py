@@ -77,3 +77,34 @@ class RowTable:
         """Bytes of the rows in use (what RSS holds for them) and the free stack."""
         per_row = sum(np.dtype(d).itemsize * max(1, w) for d, w in self.spec.values())
         return per_row * self.rows + 4 * self.free.size
+
+
+class Slabs:
+    """Byte strings of a few fixed lengths (an object's checksums), one
+    :class:`RowTable` slab per length: ``put`` returns slots, ``get`` one back."""
+
+    def __init__(self) -> None:
+        self.slabs: dict[int, RowTable] = {}
+
+    def put(self, rows: npt.NDArray[np.uint8]) -> I32:
+        """Store each row of ``rows`` (n x width bytes); returns their slots (-1
+        for a width of 0: nothing stored)."""
+        n, width = rows.shape if rows.ndim == 2 else (len(rows), 0)
+        if not width:
+            return np.full(n, -1, dtype=np.int32)
+        slab = self.slabs.get(width)
+        if slab is None:
+            slab = self.slabs[width] = RowTable({"s": ("u1", width)}, {})
+        slots = slab.take(n)
+        slab.cols["s"][slots] = rows
+        return slots
+
+    def get(self, width: int, slot: int) -> bytes:
+        return self.slabs[width].cols["s"][slot].tobytes() if width else b""
+
+    def free(self, width: int, slot: int) -> None:
+        if width:
+            self.slabs[width].give1(slot)
+
+    def nbytes(self) -> int:
+        return sum(slab.nbytes() for slab in self.slabs.values())

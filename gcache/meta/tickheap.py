@@ -3,23 +3,38 @@
 least recently used evictable object at the top). Each row's place in the heap is
 kept in its ``hpos`` column (-1: not in the heap), so a touched or removed row is
 re-sifted or taken out in O(log n). A large batch goes in by one sort (a sorted
-array is a heap). No I/O."""
+array is a heap). A sift runs in C over the same arrays when the native kernels
+are built (``gcache._native.INDEX_KERNELS``), else in the Python loops below (the
+same order; the tests run both). No I/O."""
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
 
+from gcache._native import INDEX_KERNELS
 from gcache.meta.rowtable import MIN_ROWS, RowTable
 
 I32 = npt.NDArray[np.int32]
 
 
 class TickHeap:
-    def __init__(self, rows: RowTable) -> None:
+    def __init__(self, rows: RowTable, native: bool = True) -> None:
         self.rows = rows  # has "tick" (uint64) and "hpos" (int32, filled -1) columns
         self.heap = np.empty(MIN_ROWS, dtype=np.int32)
         self.size = 0
+        self.kernels = INDEX_KERNELS if native else None
+
+    def _fix(self, i: int) -> None:
+        """Restore the heap order around position ``i`` (up, then down)."""
+        k = self.kernels
+        if k is not None:
+            c = self.rows.cols
+            k.heap_sift(self.heap, c["tick"], c["hpos"], self.size, i)
+            return
+        item = int(self.heap[i])
+        self._sift_up(i)
+        self._sift_down(int(self.rows.cols["hpos"][item]))
 
     def top(self) -> int:
         """The row with the smallest tick (-1: empty)."""
@@ -33,7 +48,7 @@ class TickHeap:
         self.heap[self.size] = row
         self.rows.cols["hpos"][row] = self.size
         self.size += 1
-        self._sift_up(self.size - 1)
+        self._fix(self.size - 1)
 
     def push_many(self, rows: I32, sort: bool = False) -> None:
         """Push ``rows``: one by one, or (``sort``, or a batch past an eighth of the
@@ -61,14 +76,11 @@ class TickHeap:
         last = int(self.heap[self.size])
         self.heap[i] = last
         hpos[last] = i
-        self._sift_up(i)
-        self._sift_down(int(hpos[last]))
+        self._fix(i)
 
     def rekey(self, row: int) -> None:
         """``row``'s tick changed: restore the heap order around it."""
-        i = int(self.rows.cols["hpos"][row])
-        self._sift_up(i)
-        self._sift_down(int(self.rows.cols["hpos"][row]))
+        self._fix(int(self.rows.cols["hpos"][row]))
 
     def _sift_up(self, i: int) -> None:
         heap, tick, hpos = self.heap, self.rows.cols["tick"], self.rows.cols["hpos"]

@@ -8,6 +8,7 @@ back, counts agree, and a block has children or objects or is gone."""
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -15,9 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from gcache._native import INDEX_KERNELS
 from gcache.errors import CompactIndexError
 from gcache.meta.compact import CompactIndex
 from gcache.meta.keymap import split_keys
+from gcache.meta.rowtable import RowTable
+from gcache.meta.tickheap import TickHeap
 
 GROUPS = 2
 
@@ -32,6 +36,7 @@ def chain(ns: int, tokens: list[int]) -> list[bytes]:
 
 def test_chain_lookup_objects_and_eviction_order() -> None:
     ix = CompactIndex(groups=GROUPS)
+    ix.namespace(1, 0)
     a = ix.add_chain(1, chain(1, [1, 2, 3]))
     b = ix.add_chain(1, chain(1, [1, 2, 4]))  # shares two blocks
     assert list(a[:2]) == list(b[:2]) and a[2] != b[2]
@@ -62,6 +67,7 @@ def test_chain_lookup_objects_and_eviction_order() -> None:
 
 def test_a_large_batch_of_leaves_heapifies_by_sort() -> None:
     ix = CompactIndex(groups=1)
+    ix.namespace(0, 0)
     n = 5_000
     bids = np.concatenate([ix.add_chain(0, [key(0, (i,))]) for i in range(n)])
     rng = np.random.default_rng(1)
@@ -107,6 +113,7 @@ def test_report_chunks_in_bulk_match_chains_put_one_by_one(
     rng = np.random.default_rng(seed)
     order = sorted(reported, key=lambda k: rows[k][1])  # by position, as the merge
     ix = CompactIndex(groups=1)
+    ix.namespace(0, 0)
     ix.begin_bulk()
     got: dict[bytes, int] = {}
     for part in np.array_split(np.arange(len(order)), chunks):
@@ -163,45 +170,60 @@ def test_table_grows_and_tombstones_are_rehashed() -> None:
     assert ix.stats()["blocks"] == 5_000
 
 
+# The model's namespaces: their full (prefix-closed) group, or None (all windowed).
+FULL = {0: 0, 1: None, 2: 1}
+Rec = dict[str, int | bytes | bool]
+
+
 class CompactModel(RuleBasedStateMachine):
+    """Prompts with shared prefixes in three namespaces (full group 0, none, 1),
+    objects on two tiers, leases pinning objects (evicted while pinned: detached
+    until unpinned), demotions marked leaving, tier moves; against dicts."""
+
+    native = True  # the C kernels (heap sifts, probes, match); the subclass: Python
+
     def __init__(self) -> None:
         super().__init__()
-        self.ix = CompactIndex(groups=GROUPS)
+        self.ix = CompactIndex(groups=GROUPS, native=self.native)
+        for ns, fg in FULL.items():
+            self.ix.namespace(ns, fg)
         self.tick = 0
         # model: key -> (ns, parent key or None); objects: (key, group) -> record
         self.blocks: dict[bytes, tuple[int, bytes | None]] = {}
-        self.objs: dict[tuple[bytes, int], dict[str, object]] = {}
+        self.objs: dict[tuple[bytes, int], Rec] = {}
+        self.detached: dict[int, Rec] = {}  # oid -> record of an evicted pinned object
+        self.leases: list[list[int]] = []
         self.prompts: list[tuple[int, list[int]]] = []
 
-    def _children(self, k: bytes) -> int:
-        return sum(1 for _, p in self.blocks.values() if p == k)
+    def _children(self, k: bytes) -> list[bytes]:
+        return [c for c, (_, p) in self.blocks.items() if p == k]
 
     def _bid(self, k: bytes) -> int:
         ns = self.blocks[k][0]
         k0, k1 = split_keys([k])
         return int(self.ix.find(ns, k0, k1)[0])
 
-    @rule(
-        ns=st.integers(0, 2),
-        tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6),
-        groups=st.sets(st.integers(0, GROUPS - 1), max_size=GROUPS),
-        server=st.integers(0, 2),
-    )
-    def put_prompt(self, ns: int, tokens: list[int], groups: set[int], server: int) -> None:
-        keys = chain(ns, tokens)
-        ids = self.ix.add_chain(ns, keys)
-        for i, k in enumerate(keys):
-            self.blocks.setdefault(k, (ns, keys[i - 1] if i else None))
-        self.prompts.append((ns, tokens))
-        for g in groups:
-            for i, k in enumerate(keys):
-                if (k, g) in self.objs:
-                    continue
-                self.tick += 1
-                sums = hashlib.sha256(k + bytes([g])).digest()[: 8 * (g + 1)]
-                oid = self.ix.add_object(int(ids[i]), g, server, self.tick, 64, sums, self.tick)
-                self.objs[(k, g)] = {"oid": oid, "tick": self.tick, "server": server,
-                                     "offset": self.tick, "sums": sums}  # fmt: skip
+    def _hot(self, k: bytes) -> int:
+        """Children whose full object is in DRAM and not leaving."""
+        fg = FULL[self.blocks[k][0]]
+        n = 0
+        for c in self._children(k):
+            r = self.objs.get((c, fg)) if fg is not None else None
+            n += r is not None and r["tier"] == 0 and not r["leaving"]
+        return n
+
+    def _evictable(self, k: bytes, g: int) -> bool:
+        r = self.objs[(k, g)]
+        if r["pins"]:
+            return False
+        if g != FULL[self.blocks[k][0]]:
+            return True
+        return (self._hot(k) if r["tier"] == 0 else len(self._children(k))) == 0
+
+    def _new(self, k: bytes, i: int, keys: list[bytes], ns: int) -> None:
+        self.blocks.setdefault(k, (ns, keys[i - 1] if i else None))
+
+    def _prune(self, keys: list[bytes]) -> None:
         # Blocks given no object and no children are left to the caller (as the
         # meta's puts abort): remove them here as the meta's prune would.
         for k in reversed(keys):
@@ -212,15 +234,47 @@ class CompactModel(RuleBasedStateMachine):
     @rule(
         ns=st.integers(0, 2),
         tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+        groups=st.sets(st.integers(0, GROUPS - 1), max_size=GROUPS),
+        server=st.integers(0, 2),
+        tier=st.integers(0, 1),
+    )
+    def put_prompt(
+        self, ns: int, tokens: list[int], groups: set[int], server: int, tier: int
+    ) -> None:
+        keys = chain(ns, tokens)
+        ids = self.ix.add_chain(ns, keys)
+        for i, k in enumerate(keys):
+            self._new(k, i, keys, ns)
+        self.prompts.append((ns, tokens))
+        for g in sorted(groups):
+            for i, k in enumerate(keys):
+                if (k, g) in self.objs:
+                    continue
+                self.tick += 1
+                sums = hashlib.sha256(k + bytes([g])).digest()[: 8 * (g + 1)]
+                oid = self.ix.add_object(
+                    int(ids[i]), g, server, self.tick, 64, sums, self.tick, tier=tier
+                )
+                self.objs[(k, g)] = {"oid": oid, "tick": self.tick, "server": server,
+                                     "offset": self.tick, "sums": sums, "tier": tier,
+                                     "pins": 0, "leaving": False}  # fmt: skip
+        self._prune(keys)
+
+    @rule(
+        ns=st.integers(0, 2),
+        tokens=st.lists(st.integers(0, 3), min_size=1, max_size=6),
         g=st.integers(0, GROUPS - 1),
         server=st.integers(0, 2),
+        tier=st.integers(0, 1),
     )
-    def put_prompt_batched(self, ns: int, tokens: list[int], g: int, server: int) -> None:
+    def put_prompt_batched(
+        self, ns: int, tokens: list[int], g: int, server: int, tier: int
+    ) -> None:
         """A whole prompt's objects of one group in one add_objects call."""
         keys = chain(ns, tokens)
         ids = self.ix.add_chain(ns, keys)
         for i, k in enumerate(keys):
-            self.blocks.setdefault(k, (ns, keys[i - 1] if i else None))
+            self._new(k, i, keys, ns)
         self.prompts.append((ns, tokens))
         todo = [i for i, k in enumerate(keys) if (k, g) not in self.objs]
         width = 8 * (g + 1)
@@ -229,21 +283,19 @@ class CompactModel(RuleBasedStateMachine):
         for r, i in enumerate(todo):
             sums[r] = np.frombuffer(hashlib.sha256(keys[i] + bytes([g])).digest()[:width], np.uint8)
         oids = self.ix.add_objects(ids[todo], g, server, ticks, np.full(len(todo), 64, np.uint32),
-                                   sums, ticks)  # fmt: skip
+                                   sums, ticks, tier)  # fmt: skip
         for r, i in enumerate(todo):
             self.objs[(keys[i], g)] = {"oid": int(oids[r]), "tick": int(ticks[r]),
                                        "server": server, "offset": int(ticks[r]),
-                                       "sums": sums[r].tobytes()}  # fmt: skip
+                                       "sums": sums[r].tobytes(), "tier": tier, "pins": 0,
+                                       "leaving": False}  # fmt: skip
         self.tick += len(todo)
-        for k in reversed(keys):
-            if k in self.blocks and not self._children(k) and not self._objects_of(k):
-                self.ix.remove_block(self._bid(k))
-                self._forget(k)
+        self._prune(keys)
 
     def _objects_of(self, k: bytes) -> list[int]:
         return [g for g in range(GROUPS) if (k, g) in self.objs]
 
-    def _forget(self, k: bytes) -> None:
+    def _forget(self, k: bytes | None) -> None:
         """Model: block ``k`` removed, and empty ancestors pruned."""
         while k is not None:
             parent = self.blocks.pop(k)[1]
@@ -253,34 +305,89 @@ class CompactModel(RuleBasedStateMachine):
 
     def _remove(self, k: bytes, g: int) -> None:
         rec = self.objs.pop((k, g))
-        server, _, offset, length = self.ix.remove_object(int(rec["oid"]))  # type: ignore[call-overload]
-        assert (server, offset, length) == (rec["server"], rec["offset"], 64)
+        server, tier, offset, length = self.ix.remove_object(int(rec["oid"]))
+        assert (server, tier, offset, length) == (rec["server"], rec["tier"], rec["offset"], 64)
+        if rec["pins"]:
+            self.detached[int(rec["oid"])] = rec
         if not self._children(k) and not self._objects_of(k):
             self._forget(k)
+
+    def _pick(self, data: st.DataObject) -> tuple[bytes, int]:
+        return data.draw(st.sampled_from(sorted(self.objs)))
 
     @precondition(lambda self: self.objs)
     @rule(data=st.data())
     def touch(self, data: st.DataObject) -> None:
-        k, g = data.draw(st.sampled_from(sorted(self.objs)))
+        k, g = self._pick(data)
         self.tick += 1
         rec = self.objs[(k, g)]
         rec["tick"] = self.tick
         self.ix.touch(np.array([rec["oid"]], dtype=np.int32), self.tick)
 
-    @precondition(lambda self: self.objs)
-    @rule()
-    def evict_victim(self) -> None:
-        oid = self.ix.victim()
+    @rule(tier=st.integers(0, 1))
+    def evict_victim(self, tier: int) -> None:
+        oid = self.ix.victim(tier)
+        if oid < 0:
+            return
         ((k, g),) = [kg for kg, r in self.objs.items() if r["oid"] == oid]
+        assert self._evictable(k, g) and self.objs[(k, g)]["tier"] == tier
         self._remove(k, g)
 
     @precondition(lambda self: self.objs)
     @rule(data=st.data())
     def remove_any(self, data: st.DataObject) -> None:
-        k, g = data.draw(st.sampled_from(sorted(self.objs)))
+        """An eviction the meta may ask for (an admin's, a drop): any object of a
+        block without children, pinned or not."""
+        k, g = self._pick(data)
         if self._children(k):
             return  # the meta evicts leaves only; an inner object stays
         self._remove(k, g)
+
+    @precondition(lambda self: self.objs)
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        picked = data.draw(st.lists(st.sampled_from(sorted(self.objs)), min_size=1, max_size=4))
+        oids = [int(self.objs[kg]["oid"]) for kg in picked]
+        self.ix.pin(np.array(oids, dtype=np.int32))
+        for kg in picked:
+            self.objs[kg]["pins"] = int(self.objs[kg]["pins"]) + 1
+        self.leases.append(oids)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        oids = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+        live = {int(r["oid"]): r for r in self.objs.values()}
+        freed = self.ix.unpin(np.array(oids, dtype=np.int32))
+        want = []
+        for oid in oids:
+            rec = live.get(oid) or self.detached[oid]
+            rec["pins"] = int(rec["pins"]) - 1
+            if oid in self.detached and rec["pins"] == 0:
+                del self.detached[oid]
+                want.append((rec["server"], rec["tier"], rec["offset"], 64))
+        assert sorted(freed) == sorted(want)  # type: ignore[type-var]
+
+    @precondition(lambda self: self.objs)
+    @rule(data=st.data(), offset=st.integers(0, 1 << 30))
+    def move_tier(self, data: st.DataObject, offset: int) -> None:
+        k, g = self._pick(data)
+        rec = self.objs[(k, g)]
+        tier = 1 - int(rec["tier"])
+        self.ix.move_tier(int(rec["oid"]), tier, offset)
+        rec["tier"], rec["offset"], rec["leaving"] = tier, offset, False
+
+    @precondition(lambda self: self.objs)
+    @rule(data=st.data())
+    def mark_leaving(self, data: st.DataObject) -> None:
+        k, g = self._pick(data)
+        rec = self.objs[(k, g)]
+        if rec["tier"] != 0:
+            with pytest.raises(CompactIndexError):
+                self.ix.leaving(int(rec["oid"]), True)
+            return
+        rec["leaving"] = not rec["leaving"]
+        self.ix.leaving(int(rec["oid"]), bool(rec["leaving"]))
 
     @rule(server=st.integers(0, 2))
     def drop_server(self, server: int) -> None:
@@ -296,7 +403,9 @@ class CompactModel(RuleBasedStateMachine):
                 # Its children still hold objects on other servers: drop the object,
                 # keep the block (the meta marks such an object gone the same way).
                 rec = self.objs.pop((k, g))
-                self.ix.remove_object(int(rec["oid"]))  # type: ignore[call-overload]
+                self.ix.remove_object(int(rec["oid"]))
+                if rec["pins"]:
+                    self.detached[int(rec["oid"])] = rec
             else:
                 self._remove(k, g)
 
@@ -312,17 +421,26 @@ class CompactModel(RuleBasedStateMachine):
         st_ = self.ix.stats()
         assert st_["blocks"] == len(self.blocks)
         assert st_["objects"] == len(self.objs)
+        assert st_["detached"] == len(self.detached)
+        b = self.ix.blocks.cols
         for k in self.blocks:
-            assert self._bid(k) >= 0
+            bid = self._bid(k)
+            assert bid >= 0
+            assert b["children"][bid] == len(self._children(k))
+            assert b["hot"][bid] == self._hot(k)
         for rec in self.objs.values():
-            assert self.ix.sums(int(rec["oid"])) == rec["sums"]  # type: ignore[call-overload]
-        leaves = [r for (k, _), r in self.objs.items() if not self._children(k)]
-        assert st_["evictable"] == len(leaves)
-        if leaves:
-            oldest = min(leaves, key=lambda r: r["tick"])  # type: ignore[arg-type, return-value]
-            assert self.ix.victim() == oldest["oid"]
-        else:
-            assert self.ix.victim() == -1
+            assert self.ix.sums(int(rec["oid"])) == rec["sums"]
+        total = 0
+        for tier in (0, 1):
+            cands = [r for (k, g), r in self.objs.items()
+                     if r["tier"] == tier and self._evictable(k, g)]  # fmt: skip
+            total += len(cands)
+            if cands:
+                oldest = min(cands, key=lambda r: int(r["tick"]))
+                assert self.ix.victim(tier) == oldest["oid"]
+            else:
+                assert self.ix.victim(tier) == -1
+        assert st_["evictable"] == total
         for ns, tokens in self.prompts[-3:]:
             keys = chain(ns, tokens)
             for g in range(GROUPS):
@@ -334,5 +452,64 @@ class CompactModel(RuleBasedStateMachine):
                     assert self.ix.match(ns, keys, g) == want
 
 
+class CompactModelPython(CompactModel):
+    native = False
+
+
 TestCompactModel = CompactModel.TestCase
 TestCompactModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCompactModelPython = CompactModelPython.TestCase
+TestCompactModelPython.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_native_kernels_are_built_in_ci() -> None:
+    """CI builds the package with its C kernels: the state machine above must run
+    them there, not only the Python fallback."""
+    if os.environ.get("CI") == "true":
+        assert INDEX_KERNELS is not None, "gcache._native._index was not built"
+
+
+@pytest.mark.skipif(INDEX_KERNELS is None, reason="native kernels not built (CI requires them)")
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("ptr"), st.integers(0, 63), st.integers(0, 1 << 40))))
+def test_native_heap_orders_as_the_python_heap(ops: list[tuple[str, int, int]]) -> None:
+    """The C sift and the Python sift leave the same heap after the same pushes,
+    re-keys and removals (the positions, not only the top)."""
+    heaps = []
+    for native in (True, False):
+        rows = RowTable({"tick": ("<u8", 0), "hpos": ("<i4", 0)}, {"hpos": -1})
+        rows.take(64)
+        heaps.append(TickHeap(rows, native=native))
+    for op, row, tick in ops:
+        for h in heaps:
+            hpos = h.rows.cols["hpos"]
+            if op == "p" and hpos[row] < 0:
+                h.rows.cols["tick"][row] = tick
+                h.push(row)
+            elif op == "t" and hpos[row] >= 0:
+                h.rows.cols["tick"][row] = tick
+                h.rekey(row)
+            elif op == "r" and hpos[row] >= 0:
+                h.remove(row)
+        a, b = heaps
+        assert a.size == b.size
+        assert (a.heap[: a.size] == b.heap[: b.size]).all()
+        assert (a.rows.cols["hpos"][:64] == b.rows.cols["hpos"][:64]).all()
+
+
+@pytest.mark.skipif(INDEX_KERNELS is None, reason="native kernels not built (CI requires them)")
+def test_native_kernels_refuse_out_of_range_input() -> None:
+    """A wrong caller gets an error, never a read or write past an array."""
+    assert INDEX_KERNELS is not None
+    heap = np.array([0, 5], dtype=np.int32)  # row 5 past the 2-row columns
+    tick = np.zeros(2, dtype=np.uint64)
+    hpos = np.zeros(2, dtype=np.int32)
+    with pytest.raises(IndexError):
+        INDEX_KERNELS.heap_sift(heap, tick, hpos, 2, 1)
+    with pytest.raises(IndexError):
+        INDEX_KERNELS.heap_sift(heap, tick, hpos, 3, 0)  # size past the heap
+    ix = CompactIndex(groups=1)
+    with pytest.raises(CompactIndexError):
+        ix.match(0, [b"short"], 0)
+    with pytest.raises(CompactIndexError):
+        ix.keys.find1(0, b"short")

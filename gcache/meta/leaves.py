@@ -1,0 +1,142 @@
+"""The compact index's eviction order: which objects may be evicted, and in what
+order, as the meta's policies see it (``gcache/meta/eviction.py``), kept for the
+columns of :class:`~gcache.meta.compact.CompactIndex`.
+
+An object is *evictable* when it is live (in its block), no lease pins it, and it
+is a windowed object (any block: a window is not needed by longer matches), or
+the full object of a block that is a leaf *of its tier*: for a DRAM object no
+child whose full object is in DRAM (the block's ``hot`` count; a DRAM block whose
+children are all on NVMe may leave DRAM), for an NVMe one no child at all. Each
+tier has its own heap of evictable objects keyed by access tick (the DRAM and the
+NVMe policies rank separately); an object is in at most one of them, so one
+``hpos`` column serves both. Every mutation of the index calls :meth:`refresh`
+on the objects whose evictability it may have changed: the object itself and
+its parent's full object. No I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from gcache.meta.rowtable import RowTable
+from gcache.meta.tickheap import TickHeap
+
+I32 = npt.NDArray[np.int32]
+
+NO_FULL: Final = 255  # a namespace with no prefix-closed (full-attention) group
+TIERS: Final = 2  # 0: DRAM, 1: NVMe
+
+
+class Leaves:
+    def __init__(self, blocks: RowTable, objects: RowTable, native: bool = True) -> None:
+        self.blocks = blocks  # "ns", "children", "hot", "obj" columns
+        self.objects = objects  # "block", "group", "tier", "pins", "tick", "hpos" columns
+        self.heaps = [TickHeap(objects, native) for _ in range(TIERS)]
+        # The full group of each namespace id (NO_FULL: none), set by the caller.
+        self.full = np.full(1 << 16, NO_FULL, dtype=np.uint8)
+        self.bulk = False  # heaps not kept (a rebuild): built once by rebuild()
+
+    def full_of(self, bid: int) -> int:
+        return int(self.full[self.blocks.cols["ns"][bid]])
+
+    def evictable(self, oids: I32) -> npt.NDArray[np.bool_]:
+        """Which of ``oids`` may be evicted now (see the module docstring)."""
+        o, b = self.objects.cols, self.blocks.cols
+        bid = o["block"][oids]
+        live = bid >= 0
+        safe = np.where(live, bid, 0)
+        full = o["group"][oids] == self.full[b["ns"][safe]]
+        kids = np.where(o["tier"][oids] == 0, b["hot"][safe], b["children"][safe])
+        out: npt.NDArray[np.bool_] = live & (o["pins"][oids] == 0) & (~full | (kids == 0))
+        return out
+
+    def evictable1(self, oid: int) -> bool:
+        o, b = self.objects.cols, self.blocks.cols
+        bid = int(o["block"][oid])
+        if bid < 0 or o["pins"][oid]:
+            return False
+        if int(o["group"][oid]) != self.full[b["ns"][bid]]:
+            return True
+        return int(b["hot"][bid] if o["tier"][oid] == 0 else b["children"][bid]) == 0
+
+    def refresh1(self, oid: int) -> None:
+        """Put ``oid`` into its tier's heap or take it out, as it is now evictable
+        or not (-1: none, ignored)."""
+        if self.bulk or oid < 0:
+            return
+        o = self.objects.cols
+        want, has = self.evictable1(oid), o["hpos"][oid] >= 0
+        if want and not has:
+            self.heaps[int(o["tier"][oid])].push(oid)
+        elif has and not want:
+            self.heaps[int(o["tier"][oid])].remove(oid)
+
+    def refresh(self, oids: I32) -> None:
+        """:meth:`refresh1` for many objects (-1 entries ignored), vectorised."""
+        if self.bulk or not oids.size:
+            return
+        oids = np.unique(oids[oids >= 0])
+        if oids.size <= 4:
+            for oid in oids.tolist():
+                self.refresh1(oid)
+            return
+        o = self.objects.cols
+        want = self.evictable(oids)
+        has = o["hpos"][oids] >= 0
+        tier = o["tier"][oids]
+        for oid in oids[has & ~want].tolist():
+            self.heaps[int(o["tier"][oid])].remove(oid)
+        add = want & ~has
+        for t in range(TIERS):
+            rows = oids[add & (tier == t)]
+            if rows.size:
+                self.heaps[t].push_many(rows)
+
+    def parents_full(self, bids: I32) -> I32:
+        """The full objects of ``bids``' parents (-1 where none)."""
+        b = self.blocks.cols
+        parent = b["parent"][bids]
+        ok = parent >= 0
+        safe = np.where(ok, parent, 0)
+        fg = self.full[b["ns"][safe]]
+        has = ok & (fg != NO_FULL)
+        out = np.full(bids.size, -1, dtype=np.int32)
+        out[has] = b["obj"][safe[has], fg[has]]
+        return out
+
+    def take_out(self, oid: int) -> None:
+        """Out of its heap before its tier or block changes."""
+        if self.objects.cols["hpos"][oid] >= 0:
+            self.heaps[int(self.objects.cols["tier"][oid])].remove(oid)
+
+    def begin_bulk(self) -> None:
+        self.bulk = True
+        hpos = self.objects.cols["hpos"]
+        for h in self.heaps:
+            hpos[h.heap[: h.size]] = -1
+            h.size = 0
+
+    def rebuild(self) -> None:
+        """Every heap from scratch, by one sort each (the end of a bulk load)."""
+        self.bulk = False
+        rows = self.objects.rows
+        live = np.flatnonzero(self.objects.cols["block"][:rows] >= 0).astype(np.int32)
+        ok = live[self.evictable(live)]
+        tier = self.objects.cols["tier"][ok]
+        for t, h in enumerate(self.heaps):
+            self.objects.cols["hpos"][h.heap[: h.size]] = -1
+            h.size = 0
+            h.push_many(ok[tier == t], sort=True)
+
+    def victim(self, tier: int = 0) -> int:
+        """The least recently used evictable object of ``tier`` (-1: none)."""
+        return self.heaps[tier].top()
+
+    def size(self) -> int:
+        return sum(h.size for h in self.heaps)
+
+    def nbytes(self) -> int:
+        return sum(h.nbytes() for h in self.heaps)
