@@ -1,3 +1,5 @@
+# One file (over 450 lines): every mutation of blocks or objects updates the same
+# books together (children, hot, heap membership, pins).
 """A compact index: blocks, objects and the LRU eviction order in columnar arrays
 sized for 100M blocks, instead of one Python object per block and per object.
 
@@ -308,7 +310,7 @@ class CompactIndex:
             b["hot"][parent] += step
             self.leaves.refresh1(int(b["obj"][parent, self.leaves.full_of(bid)]))
 
-    def remove_object(self, oid: int) -> Freed:
+    def remove_object(self, oid: int, prune: bool = True) -> Freed:
         """Take an object out of the index (an eviction); returns (server, tier,
         offset, length). Its block is removed too when it holds nothing else and
         has no children. An object a lease pins is *detached*: its row and range
@@ -331,7 +333,7 @@ class CompactIndex:
             self.detached += 1
         else:
             self._free_row(oid)
-        if b["children"][bid] == 0 and not (b["obj"][bid] >= 0).any():
+        if prune and b["children"][bid] == 0 and not (b["obj"][bid] >= 0).any():
             self.remove_block(bid)
         return out
 
@@ -367,13 +369,28 @@ class CompactIndex:
         self.leaves.refresh(oids[o["block"][oids] >= 0])
         return freed
 
-    def move_tier(self, oid: int, tier: int, offset: int) -> None:
+    def move_tier(self, oid: int, tier: int, offset: int) -> int:
         """A finished demotion (to 1, NVMe) or promotion (to 0, DRAM): the object
-        is now its copy at ``offset`` of ``tier`` on the same server."""
+        is now its copy at ``offset`` of ``tier`` on the same server. Returns its
+        id: ``oid``, or, when leases still pin the old copy, a new row (the old one
+        stays detached for them until :meth:`unpin`)."""
         o = self.objects.cols
         self._check_live(np.array([oid], dtype=np.int32))
         if tier not in (0, 1):
             raise CompactIndexError(f"tier {tier}: 0 (DRAM) or 1 (NVMe)")
+        if o["pins"][oid]:
+            bid, group = int(o["block"][oid]), int(o["group"][oid])
+            width, tick = int(o["sums_len"][oid]), int(o["tick"][oid])
+            sums = np.frombuffer(self.sums(oid), np.uint8).reshape(1, width)
+            row = [int(o[c][oid]) for c in ("server", "length", "owner")]
+            score = float(o["score"][oid])
+            self.remove_object(oid, prune=False)  # detached: its pins, its old range
+            (oid,) = self.add_objects(
+                np.array([bid], np.int32), group, row[0], np.array([offset], np.uint64),
+                np.array([row[1]], np.uint32), sums, np.array([tick], np.uint64), tier, row[2],
+            )  # fmt: skip
+            self.objects.cols["score"][oid] = score
+            return int(oid)
         self.leaves.take_out(oid)
         if o["tier"][oid] == 0 and o["hits"][oid] != LEAVING_DRAM:
             self._hot_step(oid, -1)
@@ -381,6 +398,7 @@ class CompactIndex:
         if tier == 0:
             self._hot_step(oid, 1)
         self.leaves.refresh1(oid)
+        return oid
 
     def leaving(self, oid: int, on: bool) -> None:
         """Mark a full DRAM object as being demoted (its parent stops counting it

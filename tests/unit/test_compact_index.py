@@ -374,7 +374,13 @@ class CompactModel(RuleBasedStateMachine):
         k, g = self._pick(data)
         rec = self.objs[(k, g)]
         tier = 1 - int(rec["tier"])
-        self.ix.move_tier(int(rec["oid"]), tier, offset)
+        oid = self.ix.move_tier(int(rec["oid"]), tier, offset)
+        if rec["pins"]:  # the leases keep the old copy (detached); the object moves on
+            assert oid != rec["oid"]
+            self.detached[int(rec["oid"])] = dict(rec)
+            rec["oid"], rec["pins"] = oid, 0
+        else:
+            assert oid == rec["oid"]
         rec["tier"], rec["offset"], rec["leaving"] = tier, offset, False
 
     @precondition(lambda self: self.objs)
