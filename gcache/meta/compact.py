@@ -46,7 +46,7 @@ import numpy.typing as npt
 from gcache.errors import CompactIndexError
 from gcache.meta.keymap import KeyMap, split_keys
 from gcache.meta.leaves import NO_FULL, Leaves
-from gcache.meta.rowtable import RowTable, Slabs
+from gcache.meta.rowtable import RowTable, Slabs, unique_ids
 
 I32 = npt.NDArray[np.int32]
 U64 = npt.NDArray[np.uint64]
@@ -175,7 +175,7 @@ class CompactIndex:
         parents = pid[take][pid[take] >= 0]
         if parents.size:
             np.add.at(b["children"], parents, 1)  # an NVMe full object: no more a leaf
-            self.leaves.refresh(b["obj"][np.unique(parents)].ravel())
+            self.leaves.refresh(b["obj"][unique_ids(parents)].ravel())
         return ids
 
     def _unindex(self, bid: int) -> None:
@@ -280,7 +280,7 @@ class CompactIndex:
             raise CompactIndexError(f"group {group}: no such group, or an object is there")
         if tier not in (0, 1):
             raise CompactIndexError(f"tier {tier}: 0 (DRAM) or 1 (NVMe)")
-        if np.unique(bids).size != n:
+        if unique_ids(bids).size != n:
             raise CompactIndexError("a block named twice")
         oids = self.objects.take(n)
         o = self.objects.cols
@@ -347,26 +347,31 @@ class CompactIndex:
         """A lease holds ``oids`` (each as often as named): not evictable until
         unpinned."""
         self._check_live(oids)
-        np.add.at(self.objects.cols["pins"], oids, 1)
-        self.leaves.refresh(oids)
+        u, n = np.unique(oids, return_counts=True)
+        o = self.objects.cols
+        o["pins"][u] += n.astype(np.int32)
+        heaps, hpos, tier = self.leaves.heaps, o["hpos"], o["tier"]
+        for oid in u[hpos[u] >= 0].tolist():  # pinned: out of the eviction order
+            heaps[int(tier[oid])].remove(oid)
 
     def unpin(self, oids: I32) -> list[Freed]:
         """A lease on ``oids`` ended. Returns (server, tier, offset, length) of the
         detached objects whose last pin this was: theirs to free now."""
         o = self.objects.cols
-        if oids.size and (
-            not ((oids >= 0) & (oids < self.objects.rows)).all() or (o["pins"][oids] <= 0).any()
-        ):
+        if oids.size and not ((oids >= 0) & (oids < self.objects.rows)).all():
             raise CompactIndexError("unpin of an object no lease holds")
-        np.add.at(o["pins"], oids, -1)
+        u, n = np.unique(oids, return_counts=True)
+        if (o["pins"][u] < n).any():
+            raise CompactIndexError("unpin of an object no lease holds")
+        o["pins"][u] -= n.astype(np.int32)
+        free = u[o["pins"][u] == 0]
         freed = []
-        for oid in np.unique(oids[o["block"][oids] == DETACHED]).tolist():
-            if o["pins"][oid] == 0:
-                freed.append((int(o["server"][oid]), int(o["tier"][oid]), int(o["offset"][oid]),
-                              int(o["length"][oid])))  # fmt: skip
-                self._free_row(oid)
-                self.detached -= 1
-        self.leaves.refresh(oids[o["block"][oids] >= 0])
+        for oid in free[o["block"][free] == DETACHED].tolist():
+            freed.append((int(o["server"][oid]), int(o["tier"][oid]), int(o["offset"][oid]),
+                          int(o["length"][oid])))  # fmt: skip
+            self._free_row(oid)
+            self.detached -= 1
+        self.leaves.refresh(free[o["block"][free] >= 0])
         return freed
 
     def move_tier(self, oid: int, tier: int, offset: int) -> int:

@@ -37,7 +37,7 @@ def split_keys(keys: list[bytes]) -> tuple[U64, U64]:
     """16-byte keys as two little-endian ``uint64`` columns (one copy, no per-key
     objects)."""
     joined = b"".join(keys)
-    if len(joined) != 16 * len(keys) or any(len(k) != 16 for k in keys):
+    if len(joined) != 16 * len(keys) or (keys and set(map(len, keys)) != {16}):
         raise CompactIndexError("block keys must be 16 bytes each")
     pairs = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
     return pairs[:, 0].astype(np.uint64), pairs[:, 1].astype(np.uint64)
