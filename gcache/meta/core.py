@@ -49,6 +49,7 @@ from gcache.meta.parked import ParkedBooks
 from gcache.meta.placement import Placement
 from gcache.meta.promotion import Promoter
 from gcache.meta.puts import Puts
+from gcache.meta.quarantine import Quarantine
 from gcache.meta.rebuild import Rebuild
 from gcache.meta.records import (
     Lease,
@@ -252,7 +253,7 @@ class MetaCore:
         return self.index.tenant_bytes
 
     @property
-    def quarantine(self) -> list[tuple[float, int, ServerRecord, int, int]]:
+    def quarantine(self) -> Quarantine:
         return self.index.quarantine
 
     @property

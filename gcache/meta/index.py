@@ -1,12 +1,10 @@
-"""Index bookkeeping shared by the meta's put, lookup and eviction paths: dropping
-objects and entries with incremental counters, returning ranges to allocators, and
-the prefix search. Every other component of the meta works
-through it; nothing here does I/O or reads the clock."""
+"""Index bookkeeping shared by the meta's put, lookup and eviction paths: linking
+and dropping objects and entries with incremental counters, pins, accesses and
+demotion marks, returning ranges to allocators. Every other component of the meta
+changes records through it; nothing here does I/O or reads the clock."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import Counter
 from collections.abc import Callable
 
@@ -16,9 +14,11 @@ from gcache.keys import KEY_SIZE
 from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
+from gcache.meta.quarantine import Quarantine
 from gcache.meta.records import (
     EVICTED,
     GONE,
+    LIVE,
     BlockEntry,
     NamespaceRecord,
     ObjectRecord,
@@ -26,35 +26,15 @@ from gcache.meta.records import (
 )
 from gcache.meta.session import Principal
 
-# ObjectRecord.hits of a DRAM full object being demoted: its parent no longer counts
-# it as a DRAM child (``BlockEntry.hot``), so a whole prompt demotes in one pass.
-LEAVING_DRAM = -2
+LEAVING_DRAM = -2  # ObjectRecord.hits of a full DRAM object being demoted (mark_leaving)
 
 
-def _nothing() -> None:
-    pass
+def _nothing() -> None: ...
 
 
 # Freed ranges reported to a server per heartbeat reply, at most (the server only
 # counts them; a longer backlog is dropped rather than grown without bound).
 MAX_FREED_REPORT = 1 << 16
-
-
-def present_prefix(entries: dict[bytes, BlockEntry], key_list: list[bytes]) -> int:
-    """How many leading keys of ``key_list`` have an entry. Entries are prefix-closed
-    (an entry is created only under its parent, and a parent with children is never
-    dropped) and a key names its whole prefix, so presence is monotone along a
-    prompt: binary search, O(log n) dict lookups instead of n."""
-    lo, hi = 0, len(key_list)  # key_list[:lo] present; key_list[hi:] absent
-    if hi and key_list[hi - 1] in entries:
-        return hi
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if key_list[mid] in entries:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 class Index:
@@ -83,10 +63,9 @@ class Index:
         self.entries = 0
         self.live_objects = 0
         self.live_bytes = 0
-        # (release at, seq, server, offset, length): ranges of pending puts whose
-        # write grants may still be presented; they return to the allocator only after.
-        self.quarantine: list[tuple[float, int, ServerRecord, int, int]] = []
-        self._qseq = itertools.count()
+        # Ranges of pending puts whose write grants may still be presented; they
+        # return to the allocator only after.
+        self.quarantine = Quarantine(self.free_range)
         # Called when a server's manifest outbox reaches its bound (placement pauses
         # there): the wiring points it at Membership.invalidate.
         self.outbox_full: Callable[[], None] = _nothing
@@ -121,11 +100,9 @@ class Index:
 
     def record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
         """Queue a committed DRAM object for its server's manifest (the next
-        heartbeat reply's ``adopt``). Lossless and bounded: once ``adopt_outbox``
-        commits wait, the server takes no new placements (``Membership.live_servers``)
-        until a heartbeat drains it; only puts placed before that may still add to
-        it (at most the pending puts' objects on that server), counted as
-        ``adopt_overflow``."""
+        heartbeat reply's ``adopt``). Lossless and bounded: past ``adopt_outbox``
+        waiting, the server takes no new placements until a heartbeat drains it;
+        puts placed before may still add (``adopt_overflow``)."""
         srv = obj.server
         out = srv.adopt_out
         out.append((obj, ns))
@@ -174,9 +151,8 @@ class Index:
     ) -> int:
         """Evict in the policy's store-wide order until ``srv``'s reclaimable usage is
         at most ``target_used`` or a ``need_contiguous``-byte allocation fits there,
-        or ``max_bytes`` went. The policy ranks objects of every server together, so
-        an old prompt split across servers goes before a fresh one (its leaf on
-        another server must go before its interior blocks here can). Returns bytes
+        or ``max_bytes`` went. The policy ranks objects of every server together (an
+        old prompt split across servers goes before a fresh one). Returns bytes
         evicted."""
         return self.evict_pass(srv, target_used, need_contiguous, max_bytes)[0]
 
@@ -327,6 +303,49 @@ class Index:
                 self.leaf_now(parent, ns)
             entry = parent
 
+    # ---- pins, accesses, demotion marks: every change to them goes through here ----------
+
+    def pin(self, obj: ObjectRecord) -> None:
+        """A lease, a demotion or a promotion holds ``obj``: no eviction frees it."""
+        obj.pins += 1
+
+    def unpin(self, obj: ObjectRecord, ns: NamespaceRecord, requeue: bool = True) -> None:
+        """One holder of ``obj`` let go. At its last pin an evicted object is freed and
+        a live one may be a candidate again (``requeue=False``: the caller moves or
+        frees it now itself, as a finished demotion or promotion does)."""
+        obj.pins -= 1
+        if obj.pins == 0 and requeue:
+            if obj.state == EVICTED:
+                self.release_evicted(obj)
+            elif obj.state == LIVE:
+                self.pol(obj).unpinned(obj, ns)
+
+    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, now: float) -> None:
+        """A lookup read ``obj`` at ``now``: a reuse, for its tier's policy."""
+        age = now - obj.last_access
+        obj.last_access = now
+        self.pol(obj).touch(obj, ns, age)
+
+    def mark_leaving(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        """A full DRAM object is being demoted: its parent stops counting it as a
+        DRAM child, so the parent may follow in the same pass (a whole prompt
+        demotes at once, not one block per heartbeat round trip)."""
+        parent = obj.entry.parent
+        if obj.group == ns.full_group and parent is not None:
+            obj.hits = LEAVING_DRAM
+            parent.hot -= 1
+            if parent.hot == 0:
+                self.leaf_now(parent, ns)
+
+    def end_leaving(self, obj: ObjectRecord) -> None:
+        """A demotion failed: a still indexed object counts as its parent's DRAM
+        child again."""
+        if obj.hits == LEAVING_DRAM and obj.state == LIVE:
+            parent = obj.entry.parent
+            if parent is not None:
+                parent.hot += 1
+        obj.hits = 0
+
     # ---- returning memory ----------------------------------------------------------------
 
     def free_object(self, obj: ObjectRecord) -> None:
@@ -356,24 +375,6 @@ class Index:
             srv.allocator.free(offset)
         if len(srv.freed) < MAX_FREED_REPORT:
             srv.freed.append((offset, length))
-
-    def quarantine_range(self, srv: ServerRecord, offset: int, length: int, until: float) -> None:
-        """Hold a range freed from a pending put (abort, reclaim, session end, or left
-        unwritten at commit) until ``until``, when every write grant to it has
-        expired (grants end ``GRANT_MARGIN_S`` before it): a stale grant can then
-        never write into a range the allocator gave to someone else."""
-        if not srv.alive:
-            return
-        srv.quarantined_bytes += length
-        heapq.heappush(self.quarantine, (until, next(self._qseq), srv, offset, length))
-
-    def release_quarantine(self, now: float) -> None:
-        q = self.quarantine
-        while q and q[0][0] <= now:
-            _, _, srv, offset, length = heapq.heappop(q)
-            if srv.alive:
-                srv.quarantined_bytes -= length
-                self.free_range(srv, offset, length)
 
     # ---- index entries -----------------------------------------------------------------
 

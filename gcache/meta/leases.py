@@ -12,8 +12,8 @@ from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_NO_SPACE, Refusal
 from gcache.meta.ids import IdSource, wall_ms
-from gcache.meta.index import Index, present_prefix
-from gcache.meta.records import EVICTED, LIVE, BlockEntry, Lease, NamespaceRecord, ObjectRecord
+from gcache.meta.index import Index
+from gcache.meta.records import BlockEntry, Lease, NamespaceRecord, ObjectRecord
 from gcache.meta.session import LOCAL, Session
 
 _OBJECTS = attrgetter("objects")
@@ -29,6 +29,23 @@ OnPick = Callable[[NamespaceRecord, list[ObjectRecord]], None]
 
 def _no_pick(ns: NamespaceRecord, picked: list[ObjectRecord]) -> None:
     pass
+
+
+def present_prefix(entries: dict[bytes, BlockEntry], key_list: list[bytes]) -> int:
+    """How many leading keys of ``key_list`` have an entry. Entries are prefix-closed
+    (an entry is created only under its parent, and a parent with children is never
+    dropped) and a key names its whole prefix, so presence is monotone along a
+    prompt: binary search, O(log n) dict lookups instead of n."""
+    lo, hi = 0, len(key_list)  # key_list[:lo] present; key_list[hi:] absent
+    if hi and key_list[hi - 1] in entries:
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if key_list[mid] in entries:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class Leases:
@@ -63,8 +80,9 @@ class Leases:
         index: dict[str, int] = {}
         servers: list[wire.ServerAddr] = []
         locs: list[wire.ObjectLoc] = []
+        pin = self.index.pin
         for obj in picked:
-            obj.pins += 1
+            pin(obj)
             srv = obj.server
             si = index.get(srv.server_id)
             if si is None:
@@ -119,11 +137,9 @@ class Leases:
                 obj = chain[j].objects[g]
                 assert obj is not None
                 picked.append(obj)
-        pol = self.index.pol
+        touch = self.index.touch
         for obj in picked:
-            age = now - obj.last_access
-            obj.last_access = now
-            pol(obj).touch(obj, ns, age)
+            touch(obj, ns, now)
         self.on_pick(ns, picked)
         return picked
 
@@ -141,13 +157,9 @@ class Leases:
     def _end_lease(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
         lease.owner.leases.discard(lease.lease_id)
+        unpin, ns = self.index.unpin, lease.ns
         for obj in lease.objects:
-            obj.pins -= 1
-            if obj.pins == 0:
-                if obj.state == EVICTED:
-                    self.index.release_evicted(obj)
-                elif obj.state == LIVE:
-                    self.index.pol(obj).unpinned(obj, lease.ns)
+            unpin(obj, ns)
 
     def end_session(self, session: Session) -> None:
         """Release the leases of a closed session."""

@@ -74,7 +74,7 @@ class Promoter:
         if off is None:
             c["promotions_no_room"] += 1
             return False
-        obj.pins += 1
+        self.index.pin(obj)
         obj.hits = PROMOTING
         srv.promoting[off] = (obj, ns)
         srv.promoting_bytes += held(srv, length)
@@ -96,19 +96,15 @@ class Promoter:
         obj, ns = got
         length = obj.length
         srv.promoting_bytes -= held(srv, length)
-        obj.pins -= 1
         obj.hits = 0
         if not done.ok or obj.state != LIVE:
             # Failed, or evicted meanwhile: the DRAM range goes back (the server
             # drops whatever record it made there).
             self.index.free_range(srv, done.dram_offset, length)
             c["promotions_failed" if not done.ok else "promotions_void"] += 1
-            if obj.pins == 0:
-                if obj.state == EVICTED:
-                    self.index.release_evicted(obj)
-                elif obj.state == LIVE:
-                    self.index.nvme_policy.unpinned(obj, ns)
+            self.index.unpin(obj, ns)
             return
+        self.index.unpin(obj, ns, requeue=False)
         self.index.move_tier(ns, obj, done.dram_offset, 0)
         if obj.pins:
             obj.state = EVICTED  # its NVMe copy is deleted when the last lease ends

@@ -82,7 +82,7 @@ class Puts:
             raise Refusal(E_BAD_REQUEST, f"group bitmask outside {allowed:#x}")
         if not -1 <= req.checkpoint_from <= len(req.keys):
             raise Refusal(E_BAD_REQUEST, f"checkpoint_from {req.checkpoint_from} out of range")
-        self.index.release_quarantine(now)
+        self.index.quarantine.release(now)
         budget = self.put_budget(session)
         budget.wait = wait
         want = budget.alloc
@@ -273,7 +273,7 @@ class Puts:
         if hold_until is None:
             self.index.free_range(srv, off, size)
         else:
-            self.index.quarantine_range(srv, off, size, hold_until)
+            self.index.quarantine.hold(srv, off, size, hold_until)
 
     def put_abort(self, put_id: int, session: Session = LOCAL) -> bool:
         put = self._owned_put(put_id, session)
@@ -287,7 +287,7 @@ class Puts:
         """Forget ``put``; its ranges wait in quarantine for its grants to expire."""
         self._settle(put)
         for _, _, srv, off, size in put.placements:
-            self.index.quarantine_range(srv, off, size, put.deadline)
+            self.index.quarantine.hold(srv, off, size, put.deadline)
 
     def end_session(self, session: Session) -> None:
         """Abort the pending puts of a closed session (their ranges go to quarantine)."""
@@ -307,4 +307,4 @@ class Puts:
             if put is not None and put.deadline <= now:
                 self._drop_put(put)
                 self.counters["puts_reclaimed"] += 1
-        self.index.release_quarantine(now)
+        self.index.quarantine.release(now)

@@ -44,10 +44,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gcache.config import MetaConfig
-from gcache.meta.index import LEAVING_DRAM, Index
+from gcache.meta.index import Index
 from gcache.meta.placement import Budget, evict_room
 from gcache.meta.records import (
-    EVICTED,
     GONE,
     LIVE,
     NamespaceRecord,
@@ -367,15 +366,8 @@ class Tiers:
         """Ask ``obj``'s server to copy it to NVMe. The object stays readable from
         DRAM and pinned (its range is not reused) until the server reports back."""
         srv = obj.server
-        obj.pins += 1
-        parent = obj.entry.parent
-        if obj.group == ns.full_group and parent is not None:
-            # Leaving DRAM: its parent may follow in this same pass (not one block
-            # of a prompt per heartbeat round trip).
-            obj.hits = LEAVING_DRAM
-            parent.hot -= 1
-            if parent.hot == 0:
-                self.index.leaf_now(parent, ns)
+        self.index.pin(obj)
+        self.index.mark_leaving(obj, ns)  # its parent may follow in this same pass
         srv.demoting[obj.offset] = (obj, ns)
         srv.demoting_bytes += held(srv, obj.length)
         srv.nvme_bytes += obj.length  # reserved until the report
@@ -408,13 +400,8 @@ class Tiers:
         length = obj.length
         srv.demoting_bytes -= held(srv, length)
         srv.nvme_bytes -= length  # the reservation; the NVMe record counts from here
-        obj.pins -= 1
-        if not done.ok and obj.state == LIVE and obj.hits == LEAVING_DRAM:
-            parent = obj.entry.parent  # it stays in DRAM: a DRAM child again
-            if parent is not None:
-                parent.hot += 1
         if not done.ok:
-            obj.hits = 0
+            self.index.end_leaving(obj)  # it stays in DRAM: a DRAM child again
         if not done.ok or obj.state != LIVE:
             if done.ok:  # evicted while it was being copied: delete the copy
                 srv.drop_out.append((done.nvme_offset, length))
@@ -422,13 +409,10 @@ class Tiers:
             else:
                 c["demotions_failed"] += 1
                 srv.demote_paused_until = now + DEMOTE_PAUSE_S
-            if obj.pins == 0:
-                if obj.state == EVICTED:
-                    self.index.release_evicted(obj)
-                elif obj.state == LIVE:
-                    self.index.policy.unpinned(obj, ns)
+            self.index.unpin(obj, ns)
             return None if done.ok else (done.error or "unknown error")
         # Switch the index to the NVMe copy, then let the DRAM range go.
+        self.index.unpin(obj, ns, requeue=False)
         self.index.move_tier(ns, obj, done.nvme_offset, 1)
         if obj.pins:
             srv.deferred_bytes += length  # freed when its last read lease ends
