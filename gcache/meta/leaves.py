@@ -30,6 +30,20 @@ NO_FULL: Final = 255  # a namespace with no prefix-closed (full-attention) group
 TIERS: Final = 2  # 0: DRAM, 1: NVMe
 
 
+def float_ticks(x: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+    """Float keys as ``uint64`` ticks in the same order (negative ones first): the
+    heaps rank by any float a policy computes (the cost policy's ``last_access +
+    tau * score``) with the same integer sift. NaN is refused."""
+    f = np.ascontiguousarray(x, dtype=np.float64)
+    if np.isnan(f).any():
+        raise ValueError("a NaN eviction key")
+    f = f + 0.0  # -0.0 -> +0.0: equal keys, equal ticks
+    u = f.view(np.uint64)
+    neg = (u >> np.uint64(63)).astype(bool)
+    out: npt.NDArray[np.uint64] = np.where(neg, ~u, u | np.uint64(1 << 63))
+    return out
+
+
 class Leaves:
     def __init__(self, blocks: RowTable, objects: RowTable, native: bool = True) -> None:
         self.blocks = blocks  # "ns", "children", "hot", "obj" columns
@@ -130,6 +144,12 @@ class Leaves:
             self.objects.cols["hpos"][h.heap[: h.size]] = -1
             h.size = 0
             h.push_many(ok[tier == t], sort=True)
+
+    def rekey_all(self) -> None:
+        """Every object's tick changed (the cost policy's ``tau`` moved): re-sort
+        the heaps, one sort each."""
+        if not self.bulk:
+            self.rebuild()
 
     def victim(self, tier: int = 0) -> int:
         """The least recently used evictable object of ``tier`` (-1: none)."""

@@ -20,6 +20,7 @@ from gcache._native import INDEX_KERNELS
 from gcache.errors import CompactIndexError
 from gcache.meta.compact import CompactIndex
 from gcache.meta.keymap import split_keys
+from gcache.meta.leaves import float_ticks
 from gcache.meta.rowtable import RowTable
 from gcache.meta.tickheap import TickHeap
 
@@ -519,3 +520,35 @@ def test_native_kernels_refuse_out_of_range_input() -> None:
         ix.match(0, [b"short"], 0)
     with pytest.raises(CompactIndexError):
         ix.keys.find1(0, b"short")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(allow_nan=False, width=64), min_size=1, max_size=50))
+def test_float_ticks_keep_the_order_of_float_keys(xs: list[float]) -> None:
+    """The cost policy's float keys (``last_access + tau * score``) as heap ticks:
+    the order of the floats, equal floats equal ticks."""
+    t = float_ticks(xs)
+    for i in range(len(xs)):
+        for j in range(len(xs)):
+            assert (xs[i] < xs[j]) == (t[i] < t[j])
+            assert (xs[i] == xs[j]) == (t[i] == t[j])
+    with pytest.raises(ValueError):
+        float_ticks([1.0, float("nan")])
+
+
+def test_a_float_keyed_heap_picks_the_least_key_after_a_rekey() -> None:
+    """Keys from a cost-like policy: each object's tick is its float key; after
+    every key moves (``tau`` changed), ``rekey_all`` re-sorts and the victim is the
+    new least key."""
+    ix = CompactIndex(groups=1)
+    ix.namespace(0, None)  # windowed only: every object evictable
+    bids = np.concatenate([ix.add_chain(0, [key(0, (i,))]) for i in range(200)])
+    rng = np.random.default_rng(3)
+    last, score = rng.uniform(0, 100, 200), rng.normal(0, 3, 200)
+    n = bids.size
+    oids = ix.add_objects(bids, 0, 0, np.arange(n, dtype=np.uint64), np.full(n, 64, np.uint32),
+                          np.zeros((n, 8), np.uint8), float_ticks(last + 1.0 * score))  # fmt: skip
+    assert ix.victim() == oids[np.argmin(last + 1.0 * score)]
+    ix.objects.cols["tick"][oids] = float_ticks(last + 25.0 * score)
+    ix.leaves.rekey_all()
+    assert ix.victim() == oids[np.argmin(last + 25.0 * score)]
