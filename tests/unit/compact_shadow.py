@@ -27,7 +27,7 @@ from gcache.meta.core import MetaCore
 from gcache.meta.eviction import evictable
 from gcache.meta.index import LEAVING_DRAM as META_LEAVING
 from gcache.meta.keymap import split_keys
-from gcache.meta.records import LIVE, NamespaceRecord, ObjectRecord
+from gcache.meta.records import LIVE, BlockEntry, NamespaceRecord, ObjectRecord
 
 GROUPS = 8
 Slot = tuple[int, bytes, int]  # (namespace id, block key, group)
@@ -197,18 +197,17 @@ class CompactShadow:
         assert st["objects"] == len(objs), (st, len(objs))
         b, o = self.ix.blocks.cols, self.ix.objects.cols
         by_id = {ns.ns_id: ns for ns in self.core.index.namespaces.values()}
-        for (ns, key), _ in blocks.items():
-            bid = self._bid(ns, key)
+        for (ns_id, key), _ in blocks.items():
+            bid = self._bid(ns_id, key)
             assert bid >= 0
-            e = by_id[ns].entries[key]
+            e = by_id[ns_id].entries[key]
             assert int(b["children"][bid]) == e.children, ("children", e.pos)
             assert int(b["hot"][bid]) == e.hot, ("hot", e.pos, int(b["hot"][bid]), e.hot)
         lru: dict[int, list[ObjectRecord]] = {0: [], 1: []}
         for slot, rec in objs.items():
             oid = self.oid[rec]
             assert self.slots[slot] is rec
-            ns = by_id[slot[0]]
-            want = evictable(rec, ns)
+            want = evictable(rec, by_id[slot[0]])
             assert (int(o["hpos"][oid]) >= 0) == want, (rec, want)
             assert int(o["pins"][oid]) == rec.pins and int(o["tier"][oid]) == rec.tier
             assert int(o["offset"][oid]) == rec.offset and self.ix.sums(oid) == rec.sums
@@ -227,16 +226,16 @@ class CompactShadow:
             assert int(o["block"][oid]) == DETACHED and int(o["pins"][oid]) == rec.pins > 0
         assert st["detached"] == len(self.detached)
         assert len(self.oid) == len(self.slots) + len(self.detached)
-        for ns in by_id.values():
-            self._check_prefixes(ns)
+        for nsr in by_id.values():
+            self._check_prefixes(nsr)
 
     def _check_prefixes(self, ns: NamespaceRecord) -> None:
         """Every leaf's chain: the compact index's prefix of each group equals the
         meta's (leading blocks holding an object of that group)."""
         leaves = [e for e in ns.entries.values() if e.children == 0]
         for leaf in leaves:
-            chain = []
-            e = leaf
+            chain: list[BlockEntry] = []
+            e: BlockEntry | None = leaf
             while e is not None:
                 chain.append(e)
                 e = e.parent

@@ -12,6 +12,7 @@ servers' report chunks against the meta's adoption of the same chunks."""
 from __future__ import annotations
 
 import random
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -34,32 +35,32 @@ from tests.unit.test_meta_state_machine import MetaMachine
 from tests.unit.test_meta_tiers import addr
 from tests.unit.test_meta_tiers_state_machine import TierMachine
 
-
-class ShadowedMeta(MetaMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.shadow = CompactShadow(self.core)
-
-    @invariant()
-    def compact_index_agrees(self) -> None:
-        self.shadow.sync()
-        self.shadow.check()
+M = TypeVar("M", MetaMachine, TierMachine)
 
 
-class ShadowedTiers(TierMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.shadow = CompactShadow(self.core)
+def shadowed(machine: type[M], steps: int) -> type[M]:
+    """``machine`` with a :class:`CompactShadow` following its meta after every step."""
 
-    @invariant()
-    def compact_index_agrees(self) -> None:
-        self.shadow.sync()
-        self.shadow.check()
+    class Shadowed(machine):  # type: ignore[valid-type, misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.shadow = CompactShadow(self.core)
+
+        @invariant()
+        def compact_index_agrees(self) -> None:
+            self.shadow.sync()
+            self.shadow.check()
+
+    Shadowed.__name__ = Shadowed.__qualname__ = f"Shadowed{machine.__name__}"
+    Shadowed.TestCase.settings = settings(
+        max_examples=100, stateful_step_count=steps, deadline=None
+    )
+    return Shadowed
 
 
-ShadowedMeta.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+ShadowedMeta = shadowed(MetaMachine, 40)
 test_compact_follows_the_meta = ShadowedMeta.TestCase
-ShadowedTiers.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+ShadowedTiers = shadowed(TierMachine, 50)
 test_compact_follows_the_meta_tiers = ShadowedTiers.TestCase
 
 
