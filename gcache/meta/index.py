@@ -305,31 +305,33 @@ class Index:
 
     # ---- pins, accesses, demotion marks: every change to them goes through here ----------
 
-    def pin(self, obj: ObjectRecord) -> None:
-        """A lease, a demotion or a promotion holds ``obj``: no eviction frees it."""
-        obj.pins += 1
+    def pin(self, objs: list[ObjectRecord]) -> None:
+        """A lease (or a demotion, a promotion) holds ``objs``: no eviction frees them."""
+        for obj in objs:
+            obj.pins += 1
 
-    def unpin(self, obj: ObjectRecord, ns: NamespaceRecord, requeue: bool = True) -> None:
-        """One holder of ``obj`` let go. At its last pin an evicted object is freed and
-        a live one may be a candidate again (``requeue=False``: the caller moves or
-        frees it now itself, as a finished demotion or promotion does)."""
-        obj.pins -= 1
-        if obj.pins == 0 and requeue:
-            if obj.state == EVICTED:
-                self.release_evicted(obj)
-            elif obj.state == LIVE:
-                self.pol(obj).unpinned(obj, ns)
+    def unpin(self, objs: list[ObjectRecord], ns: NamespaceRecord, requeue: bool = True) -> None:
+        """Their holder let go. At its last pin an evicted object is freed and a live
+        one may be a candidate again (``requeue=False``: the caller moves or frees
+        it now itself, as a finished demotion or promotion does)."""
+        for obj in objs:
+            obj.pins -= 1
+            if obj.pins == 0 and requeue:
+                if obj.state == EVICTED:
+                    self.release_evicted(obj)
+                elif obj.state == LIVE:
+                    self.pol(obj).unpinned(obj, ns)
 
-    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, now: float) -> None:
-        """A lookup read ``obj`` at ``now``: a reuse, for its tier's policy."""
-        age = now - obj.last_access
-        obj.last_access = now
-        self.pol(obj).touch(obj, ns, age)
+    def touch(self, objs: list[ObjectRecord], ns: NamespaceRecord, now: float) -> None:
+        """A lookup read ``objs`` at ``now``: a reuse, for their tiers' policies."""
+        for obj in objs:
+            age = now - obj.last_access
+            obj.last_access = now
+            self.pol(obj).touch(obj, ns, age)
 
     def mark_leaving(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        """A full DRAM object is being demoted: its parent stops counting it as a
-        DRAM child, so the parent may follow in the same pass (a whole prompt
-        demotes at once, not one block per heartbeat round trip)."""
+        """A full DRAM object is being demoted: its parent stops counting it as a DRAM
+        child, so it may follow in the same pass (a whole prompt at once)."""
         parent = obj.entry.parent
         if obj.group == ns.full_group and parent is not None:
             obj.hits = LEAVING_DRAM
@@ -338,12 +340,9 @@ class Index:
                 self.leaf_now(parent, ns)
 
     def end_leaving(self, obj: ObjectRecord) -> None:
-        """A demotion failed: a still indexed object counts as its parent's DRAM
-        child again."""
-        if obj.hits == LEAVING_DRAM and obj.state == LIVE:
-            parent = obj.entry.parent
-            if parent is not None:
-                parent.hot += 1
+        """A demotion failed: still indexed, it is its parent's DRAM child again."""
+        if obj.hits == LEAVING_DRAM and obj.state == LIVE and obj.entry.parent is not None:
+            obj.entry.parent.hot += 1
         obj.hits = 0
 
     # ---- returning memory ----------------------------------------------------------------

@@ -80,9 +80,8 @@ class Leases:
         index: dict[str, int] = {}
         servers: list[wire.ServerAddr] = []
         locs: list[wire.ObjectLoc] = []
-        pin = self.index.pin
+        self.index.pin(picked)
         for obj in picked:
-            pin(obj)
             srv = obj.server
             si = index.get(srv.server_id)
             if si is None:
@@ -137,9 +136,7 @@ class Leases:
                 obj = chain[j].objects[g]
                 assert obj is not None
                 picked.append(obj)
-        touch = self.index.touch
-        for obj in picked:
-            touch(obj, ns, now)
+        self.index.touch(picked, ns, now)
         self.on_pick(ns, picked)
         return picked
 
@@ -157,9 +154,7 @@ class Leases:
     def _end_lease(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
         lease.owner.leases.discard(lease.lease_id)
-        unpin, ns = self.index.unpin, lease.ns
-        for obj in lease.objects:
-            unpin(obj, ns)
+        self.index.unpin(lease.objects, lease.ns)
 
     def end_session(self, session: Session) -> None:
         """Release the leases of a closed session."""

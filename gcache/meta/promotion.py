@@ -74,7 +74,7 @@ class Promoter:
         if off is None:
             c["promotions_no_room"] += 1
             return False
-        self.index.pin(obj)
+        self.index.pin([obj])
         obj.hits = PROMOTING
         srv.promoting[off] = (obj, ns)
         srv.promoting_bytes += held(srv, length)
@@ -102,9 +102,9 @@ class Promoter:
             # drops whatever record it made there).
             self.index.free_range(srv, done.dram_offset, length)
             c["promotions_failed" if not done.ok else "promotions_void"] += 1
-            self.index.unpin(obj, ns)
+            self.index.unpin([obj], ns)
             return
-        self.index.unpin(obj, ns, requeue=False)
+        self.index.unpin([obj], ns, requeue=False)
         self.index.move_tier(ns, obj, done.dram_offset, 0)
         if obj.pins:
             obj.state = EVICTED  # its NVMe copy is deleted when the last lease ends

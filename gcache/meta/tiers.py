@@ -366,7 +366,7 @@ class Tiers:
         """Ask ``obj``'s server to copy it to NVMe. The object stays readable from
         DRAM and pinned (its range is not reused) until the server reports back."""
         srv = obj.server
-        self.index.pin(obj)
+        self.index.pin([obj])
         self.index.mark_leaving(obj, ns)  # its parent may follow in this same pass
         srv.demoting[obj.offset] = (obj, ns)
         srv.demoting_bytes += held(srv, obj.length)
@@ -409,10 +409,10 @@ class Tiers:
             else:
                 c["demotions_failed"] += 1
                 srv.demote_paused_until = now + DEMOTE_PAUSE_S
-            self.index.unpin(obj, ns)
+            self.index.unpin([obj], ns)
             return None if done.ok else (done.error or "unknown error")
         # Switch the index to the NVMe copy, then let the DRAM range go.
-        self.index.unpin(obj, ns, requeue=False)
+        self.index.unpin([obj], ns, requeue=False)
         self.index.move_tier(ns, obj, done.nvme_offset, 1)
         if obj.pins:
             srv.deferred_bytes += length  # freed when its last read lease ends
