@@ -11,8 +11,8 @@ checksums, window objects at each prompt's end as ``Layout.groups_to_store`` say
 
 * **compact**: ``CompactIndex.add_chain`` + ``add_objects`` per prompt (4 servers
   in turn); a lookup is ``match`` of the full group (a binary search of probes, as
-  the meta's); a leased lookup also finds every matched block (one vectorised
-  probe), ``touch``-es their objects and ``pin``-s them, then ``unpin``-s them
+  the meta's); a leased lookup also finds every matched block (``find_keys``:
+  one pass over the key list), ``touch``-es their objects and ``pin``-s them, then ``unpin``-s them
   (the release); eviction is ``victim`` + ``remove_object`` until 100,000
   objects (at most half of them) went. With the C kernels (``gcache/_native/
   _index.c``: heap sifts, probes, the lookup's binary search) when built; the
@@ -68,8 +68,6 @@ def latencies(out: dict[str, Any], length: int, lat: list[float], leased: list[f
 
 def run_compact(n_blocks: int, lookups: int, seed: int, native: bool = True) -> dict[str, Any]:
     from gcache.meta.compact import CompactIndex
-    from gcache.meta.keymap import split_keys
-
     layout = _layout()
     widths = [8 * len(x) for x in layout.group_layers]
     sizes = layout.group_object_bytes
@@ -126,9 +124,8 @@ def run_compact(n_blocks: int, lookups: int, seed: int, native: bool = True) -> 
             # Leased: every matched object's id (one vectorised probe) and touched.
             t = time.perf_counter()
             n = ix.match(0, ks, 0)
-            k0, k1 = split_keys(ks[:n])
             tick += 1
-            oids = ix.blocks.cols["obj"][ix.find(0, k0, k1), 0]
+            oids = ix.blocks.cols["obj"][ix.find_keys(0, ks[:n]), 0]
             ix.touch(oids, tick)
             ix.pin(oids)
             ix.unpin(oids)

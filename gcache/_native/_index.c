@@ -9,6 +9,9 @@
  *   key_find1(table, k0, k1, ns, key, nsid) -> int
  *       the block id of one 16-byte key of namespace `nsid` in the open-addressing
  *       `table` (int32; -1 empty, -2 tombstone), or -1.
+ *   key_find_list(table, k0, k1, ns, keys, nsid, out) -> None
+ *       the block id of each 16-byte key of the list `keys` into the int32 `out`
+ *       (-1: absent): a prompt's probes without joining or splitting its keys.
  *   key_slot(table, k0, ns, bid) -> int
  *       the table slot that holds block `bid` (-1: not there).
  *   match(table, k0, k1, ns, obj, groups, nsid, keys, group) -> int
@@ -180,6 +183,41 @@ done:
     return res;
 }
 
+static PyObject *py_key_find_list(PyObject *self, PyObject *args) {
+    PyObject *to, *k0o, *k1o, *nso, *keylist, *outo;
+    int nsid;
+    if (!PyArg_ParseTuple(args, "OOOOO!iO", &to, &k0o, &k1o, &nso, &PyList_Type, &keylist, &nsid,
+                          &outo))
+        return NULL;
+    buf_t tb = {0}, k0b = {0}, k1b = {0}, nsb = {0}, ob = {0};
+    keymap_t m;
+    PyObject *res = NULL;
+    if (keymap_get(&m, &tb, &k0b, &k1b, &nsb, to, k0o, k1o, nso) < 0 ||
+        get(outo, &ob, 4, 1, "out") < 0)
+        goto done;
+    Py_ssize_t n = PyList_GET_SIZE(keylist);
+    if (N(ob, int32_t) < n) {
+        PyErr_Format(PyExc_ValueError, "out: room for %zd ids, %zd keys", N(ob, int32_t), n);
+        goto done;
+    }
+    int32_t *out = ob.b.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keylist, i);
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != 16) {
+            PyErr_SetString(PyExc_ValueError, "block keys are 16 bytes each");
+            goto done;
+        }
+        const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(k);
+        int32_t b = find1(&m, le64(p), le64(p + 8), (uint16_t)nsid);
+        if (b == -3) { oob("table entry", b); goto done; }
+        out[i] = b;
+    }
+    res = Py_NewRef(Py_None);
+done:
+    put(&tb); put(&k0b); put(&k1b); put(&nsb); put(&ob);
+    return res;
+}
+
 static PyObject *py_key_slot(PyObject *self, PyObject *args) {
     PyObject *to, *k0o, *nso;
     Py_ssize_t bid;
@@ -274,6 +312,9 @@ static PyMethodDef methods[] = {
      "heap_sift(heap, tick, hpos, size, i) -> int: restore the heap order around i."},
     {"key_find1", py_key_find1, METH_VARARGS,
      "key_find1(table, k0, k1, ns, key, nsid) -> int: one key's block id, or -1."},
+    {"key_find_list", py_key_find_list, METH_VARARGS,
+     "key_find_list(table, k0, k1, ns, keys, nsid, out) -> None: each key's block id (-1: "
+     "absent) into out."},
     {"key_slot", py_key_slot, METH_VARARGS,
      "key_slot(table, k0, ns, bid) -> int: the table slot holding block bid, or -1."},
     {"match", py_match, METH_VARARGS,

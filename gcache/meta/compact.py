@@ -223,6 +223,10 @@ class CompactIndex:
         """Block ids of keys given as columns (-1: not indexed); see ``KeyMap``."""
         return self.keys.find(ns, k0, k1)
 
+    def find_keys(self, ns: int, keys: list[bytes]) -> I32:
+        """Block ids of a list of keys (-1: not indexed; ``KeyMap.find_keys``)."""
+        return self.keys.find_keys(ns, keys)
+
     def match(self, ns: int, keys: list[bytes], group: int) -> int:
         """How many leading keys have an object of ``group``, a prefix-closed
         group (binary search; ``KeyMap.match``)."""

@@ -68,6 +68,22 @@ class KeyMap:
             active, h = active[go_on], (h[go_on] + np.uint64(1)) & mask
         return out
 
+    def find_keys(self, ns: int, keys: list[bytes]) -> I32:
+        """Block ids of a list of 16-byte keys (-1: not indexed): in C when built
+        (no joined copy of the keys), else :meth:`find` of their columns."""
+        if self.kernels is None:
+            return self.find(ns, *split_keys(keys))
+        out = np.empty(len(keys), dtype=np.int32)
+        b = self.blocks.cols
+        try:
+            self.kernels.key_find_list(
+                self.table, b["k0"], b["k1"], b["ns"], keys if type(keys) is list else list(keys),
+                ns, out,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise CompactIndexError(str(exc)) from exc
+        return out
+
     def find1(self, ns: int, key: bytes) -> int:
         """The block id of one key (-1: not indexed): scalar probes, no arrays."""
         if len(key) != 16:

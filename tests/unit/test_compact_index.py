@@ -450,6 +450,9 @@ class CompactModel(RuleBasedStateMachine):
         assert st_["evictable"] == total
         for ns, tokens in self.prompts[-3:]:
             keys = chain(ns, tokens)
+            ids = self.ix.find_keys(ns, keys)
+            assert (ids == self.ix.find(ns, *split_keys(keys))).all()
+            assert [int(i) >= 0 for i in ids] == [k in self.blocks for k in keys]
             for g in range(GROUPS):
                 want = 0
                 while want < len(keys) and (keys[want], g) in self.objs:
@@ -520,6 +523,8 @@ def test_native_kernels_refuse_out_of_range_input() -> None:
         ix.match(0, [b"short"], 0)
     with pytest.raises(CompactIndexError):
         ix.keys.find1(0, b"short")
+    with pytest.raises(CompactIndexError):
+        ix.find_keys(0, [bytes(16), b"short"])
 
 
 @settings(max_examples=100, deadline=None)
