@@ -141,9 +141,12 @@ class CompactIndex:
         n = len(k0)
         ids = self.keys.find(ns, k0, k1)
         missing = np.flatnonzero(ids < 0)
-        pairs = np.stack([k0[missing], k1[missing]], axis=1)
-        if missing.size and np.unique(pairs, axis=0).shape[0] != missing.size:
-            raise CompactIndexError("a block key twice in one chunk")
+        if missing.size > 1:  # a key twice in the chunk: adjacent once sorted by key
+            m0, m1 = k0[missing], k1[missing]
+            order = np.lexsort((m1, m0))
+            s0, s1 = m0[order], m1[order]
+            if ((s0[1:] == s0[:-1]) & (s1[1:] == s1[:-1])).any():
+                raise CompactIndexError("a block key twice in one chunk")
         b = self.blocks.cols
         new = np.empty(0, dtype=np.int32)
         if missing.size:

@@ -557,3 +557,20 @@ def test_a_float_keyed_heap_picks_the_least_key_after_a_rekey() -> None:
     ix.objects.cols["tick"][oids] = float_ticks(last + 25.0 * score)
     ix.leaves.rekey_all()
     assert ix.victim() == oids[np.argmin(last + 25.0 * score)]
+
+
+def test_a_chunk_naming_a_key_twice_is_refused_whole() -> None:
+    ix = CompactIndex(groups=1)
+    ix.namespace(0, 0)
+    ix.add_chain(0, chain(0, [1, 2]))
+    before = ix.stats()
+    ks = [key(0, (9,)), key(0, (8,)), key(0, (9,))]
+    k0, k1 = split_keys(ks)
+    zero = np.zeros(3, np.uint64)
+    with pytest.raises(CompactIndexError, match="twice"):
+        ix.add_blocks(0, k0, k1, zero, zero, np.zeros(3, np.int32))
+    assert ix.stats() == before
+    # Keys equal in their first 8 bytes only are two keys.
+    a, b = bytes(8) + b"\x01" * 8, bytes(8) + b"\x02" * 8
+    k0, k1 = split_keys([a, b])
+    assert (ix.add_blocks(0, k0, k1, zero[:2], zero[:2], np.zeros(2, np.int32)) >= 0).all()
