@@ -66,21 +66,13 @@ def latencies(out: dict[str, Any], length: int, lat: list[float], leased: list[f
     out[f"leased_{size}_p99_us"] = round(pct(leased, 99) * 1e6, 1)
 
 
-def run_compact(n_blocks: int, lookups: int, seed: int, native: bool = True) -> dict[str, Any]:
-    from gcache.meta.compact import CompactIndex
-    layout = _layout()
+def fill_compact(ix: Any, layout: Any, prompts: dict[int, list[list[bytes]]]) -> int:
+    """Every prompt into ``ix`` (namespace 0): its blocks by ``add_chain``, its
+    objects by ``add_objects`` per group as ``Layout.groups_to_store`` says, the
+    prompts' servers in turn. Returns the next access tick."""
     widths = [8 * len(x) for x in layout.group_layers]
     sizes = layout.group_object_bytes
-    prompts = make_prompts(plan(n_blocks), seed)
-    gc.collect()
-    before = rss_kib(os.getpid())
-    ix = CompactIndex(groups=layout.num_groups, native=native)
-    tails = layout.group_tail_blocks
-    ix.namespace(0, tails.index(None) if None in tails else None)
-    tick = 0
-    offset = 0
-    t0 = time.perf_counter()
-    p = 0
+    tick = offset = p = 0
     for lists in prompts.values():
         masks = layout.groups_to_store(len(lists[0]))
         rows = {g: np.flatnonzero([m >> g & 1 for m in masks]) for g in range(len(widths))}
@@ -99,6 +91,23 @@ def run_compact(n_blocks: int, lookups: int, seed: int, native: bool = True) -> 
                 tick += n
                 offset += n * sizes[g]
             p += 1
+    return tick
+
+
+def run_compact(n_blocks: int, lookups: int, seed: int, native: bool = True) -> dict[str, Any]:
+    from gcache.meta.compact import CompactIndex
+
+    layout = _layout()
+    widths = [8 * len(x) for x in layout.group_layers]
+    sizes = layout.group_object_bytes
+    prompts = make_prompts(plan(n_blocks), seed)
+    gc.collect()
+    before = rss_kib(os.getpid())
+    ix = CompactIndex(groups=layout.num_groups, native=native)
+    tails = layout.group_tail_blocks
+    ix.namespace(0, tails.index(None) if None in tails else None)
+    t0 = time.perf_counter()
+    tick = fill_compact(ix, layout, prompts)
     fill_s = time.perf_counter() - t0
     gc.collect()
     after = rss_kib(os.getpid())

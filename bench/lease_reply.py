@@ -6,7 +6,7 @@ compact index with the meta's semantics").
 
 The same prompts (``bench.meta_scale``'s, MiMo-V2-Flash) fill a ``MetaCore``
 through ``put_begin``/``put_commit`` and a ``CompactIndex`` the way
-``bench.compact_index`` does; then, for a 32k-token (and a 128k-token) prompt's
+``bench.compact_index`` does (``fill_compact``); then, for a 32k-token (and a 128k-token) prompt's
 lease, each way reads every leased object's reply fields (block position, group,
 server, offset, length, tier, checksums), as ``Leases.lookup`` does before it
 mints the grants:
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.compact_index import _layout
+from bench.compact_index import _layout, fill_compact
 from bench.meta_rebuild import descriptor
 from bench.meta_scale import BS, make_prompts, parse_sizes, plan, put_in_process
 
@@ -57,20 +57,7 @@ def build(n_blocks: int, seed: int) -> tuple[Any, Any, Any, dict[int, list[list[
     layout = _layout()
     ix = CompactIndex(groups=layout.num_groups)
     ix.namespace(0, ns.full_group)
-    widths = [8 * len(x) for x in layout.group_layers]
-    for lists in prompts.values():
-        masks = layout.groups_to_store(len(lists[0]))
-        rows = {g: np.flatnonzero([m >> g & 1 for m in masks]) for g in range(len(widths))}
-        for ks in lists:
-            ids = ix.add_chain(0, ks)
-            for g, at in rows.items():
-                n = at.size
-                if n:
-                    t = np.arange(n, dtype=np.uint64)
-                    ix.add_objects(
-                        ids[at], g, 0, t, np.full(n, layout.group_object_bytes[g], np.uint32),
-                        np.zeros((n, widths[g]), np.uint8), t,
-                    )  # fmt: skip
+    fill_compact(ix, layout, prompts)
     return core, ns, ix, prompts
 
 

@@ -139,14 +139,11 @@ class KeyMap:
 
     def prefix(self, ns: int, keys: list[bytes], group: int) -> int:
         """How many leading keys have an object of ``group`` (a lookup's match)."""
-        k0, k1 = split_keys(keys)
-        ids = self.find(ns, k0, k1)
+        ids = self.find_keys(ns, keys)
         have = ids >= 0
         objs = np.where(have, self.blocks.cols["obj"][np.where(have, ids, 0), group], -1)
         gaps = np.flatnonzero(objs < 0)
         return int(gaps[0]) if gaps.size else len(keys)
-
-    # -- objects -------------------------------------------------------------------
 
     def place(self, ids: I32) -> None:
         """Put block ``ids`` (their keys not in the table) into the table."""

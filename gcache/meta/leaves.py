@@ -101,8 +101,9 @@ class Leaves:
         want = self.evictable(oids)
         has = o["hpos"][oids] >= 0
         tier = o["tier"][oids]
-        for oid in oids[has & ~want].tolist():
-            self.heaps[int(o["tier"][oid])].remove(oid)
+        drop = has & ~want
+        for oid, t in zip(oids[drop].tolist(), tier[drop].tolist(), strict=True):
+            self.heaps[t].remove(oid)
         add = want & ~has
         for t in range(TIERS):
             rows = oids[add & (tier == t)]
