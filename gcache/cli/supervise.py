@@ -238,25 +238,28 @@ class Driver:
     def step(self) -> None:
         now = self.clock()
         changed = False
+        # Said after the state file is written: whoever reads a line ("server0 is
+        # back") then reads a state that already shows it.
+        said: list[str] = []
         procs = self.d.processes()
         for name, p in procs.items():
             if name in self.sup.procs or p.alive or p.popen.pid in self.reported:
                 continue
             self.reported.add(p.popen.pid)
-            self.say(f"{name} exited ({p.popen.returncode}); not supervised; see {p.log_path}")
+            said.append(f"{name} exited ({p.popen.returncode}); not supervised; see {p.log_path}")
         for name in self.sup.procs:
             state, cur = self.sup.state(name), procs.get(name)
             if cur is None or state not in (STARTING, RUNNING):
                 continue
             p = cur
             if not p.alive:
-                self.say(
+                said.append(
                     self.sup.exited(name, p.popen.returncode, now).line + f"; see {p.log_path}"
                 )
                 changed = True
             elif state == STARTING and self.d.respawn[name].ready(p):
                 self.sup.ready(name, now)
-                self.say(
+                said.append(
                     f"{name} is back (pid {p.popen.pid}, restart {self.sup.procs[name].restarts})"
                 )
                 changed = True
@@ -264,7 +267,7 @@ class Driver:
             p = procs[name]
             signal_group(p, signal.SIGKILL)
             p.popen.wait()
-            self.say(
+            said.append(
                 self.sup.exited(name, p.popen.returncode, now).line
                 + f" (not ready in {self.sup.policy.start_timeout_s:g} s; see {p.log_path})"
             )
@@ -274,9 +277,11 @@ class Driver:
             try:
                 self.d.respawn[name].spawn()
             except (GCacheError, OSError) as exc:  # e.g. no log file, no more processes
-                self.say(self.sup.exited(name, None, now).line + f": {exc}")
+                said.append(self.sup.exited(name, None, now).line + f": {exc}")
         if changed or now - self._written >= 1.0:
             self.write_state(now)
+        for line in said:
+            self.say(line)
 
     def write_state(self, now: float) -> None:
         """``up-state.json``: this ``gcache up``'s pid, the meta's gRPC address and
