@@ -2,10 +2,11 @@
  * code of gcache/meta/{tickheap,keymap,compact}.py keeps, so a heap sift or a key
  * probe is a few nanoseconds a step instead of a numpy scalar read (~100 ns) each.
  *
- *   heap_sift(heap, tick, hpos, size, i) -> int
+ *   heap_sift(heap, tick, seq, hpos, size, i) -> int
  *       restore the min-heap order around position i of `heap` (int32 row ids
- *       keyed by the uint64 `tick` column; `hpos` int32 holds each row's place):
- *       sift up, then down; returns the item's final position.
+ *       keyed by the uint64 `tick` column, ties by the uint64 `seq` column; `hpos`
+ *       int32 holds each row's place): sift up, then down; returns the item's
+ *       final position.
  *   key_find1(table, k0, k1, ns, key, nsid) -> int
  *       the block id of one 16-byte key of namespace `nsid` in the open-addressing
  *       `table` (int32; -1 empty, -2 tombstone), or -1.
@@ -63,28 +64,29 @@ static PyObject *oob(const char *what, long long v) {
 /* ---- heap ------------------------------------------------------------------------ */
 
 static PyObject *py_heap_sift(PyObject *self, PyObject *args) {
-    PyObject *ho, *to, *po;
+    PyObject *ho, *to, *so, *po;
     Py_ssize_t size, i;
-    if (!PyArg_ParseTuple(args, "OOOnn", &ho, &to, &po, &size, &i)) return NULL;
-    buf_t hb = {0}, tb = {0}, pb = {0};
+    if (!PyArg_ParseTuple(args, "OOOOnn", &ho, &to, &so, &po, &size, &i)) return NULL;
+    buf_t hb = {0}, tb = {0}, sb = {0}, pb = {0};
     PyObject *res = NULL;
     if (get(ho, &hb, 4, 1, "heap") < 0 || get(to, &tb, 8, 0, "tick") < 0 ||
-        get(po, &pb, 4, 1, "hpos") < 0)
+        get(so, &sb, 8, 0, "seq") < 0 || get(po, &pb, 4, 1, "hpos") < 0)
         goto done;
     int32_t *heap = hb.b.buf, *hpos = pb.b.buf;
-    const uint64_t *tick = tb.b.buf;
-    Py_ssize_t nt = N(tb, uint64_t), np_ = N(pb, int32_t);
+    const uint64_t *tick = tb.b.buf, *seq = sb.b.buf;
+    Py_ssize_t nt = N(tb, uint64_t), ns_ = N(sb, uint64_t), np_ = N(pb, int32_t);
     if (size < 0 || size > N(hb, int32_t)) { res = oob("heap size", size); goto done; }
     if (i < 0 || i >= size) { res = oob("heap position", i); goto done; }
-#define ROW_OK(r) ((r) >= 0 && (r) < nt && (r) < np_)
+#define ROW_OK(r) ((r) >= 0 && (r) < nt && (r) < ns_ && (r) < np_)
+/* row a before row b: by tick, then by seq */
+#define LESS(a, b) (tick[a] < tick[b] || (tick[a] == tick[b] && seq[a] < seq[b]))
     int32_t item = heap[i];
     if (!ROW_OK(item)) { res = oob("heap row", item); goto done; }
-    uint64_t key = tick[item];
     while (i) {
         Py_ssize_t up = (i - 1) >> 1;
         int32_t above = heap[up];
         if (!ROW_OK(above)) { res = oob("heap row", above); goto done; }
-        if (tick[above] <= key) break;
+        if (!LESS(item, above)) break;
         heap[i] = above;
         hpos[above] = (int32_t)i;
         i = up;
@@ -94,18 +96,19 @@ static PyObject *py_heap_sift(PyObject *self, PyObject *args) {
         if (c >= size) break;
         int32_t a = heap[c], b = c + 1 < size ? heap[c + 1] : a;
         if (!ROW_OK(a) || !ROW_OK(b)) { res = oob("heap row", ROW_OK(a) ? b : a); goto done; }
-        if (tick[b] < tick[a]) { c++; a = b; }
-        if (tick[a] >= key) break;
+        if (LESS(b, a)) { c++; a = b; }
+        if (!LESS(a, item)) break;
         heap[i] = a;
         hpos[a] = (int32_t)i;
         i = c;
     }
+#undef LESS
 #undef ROW_OK
     heap[i] = item;
     hpos[item] = (int32_t)i;
     res = PyLong_FromSsize_t(i);
 done:
-    put(&hb); put(&tb); put(&pb);
+    put(&hb); put(&tb); put(&sb); put(&pb);
     return res;
 }
 
@@ -309,7 +312,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"heap_sift", py_heap_sift, METH_VARARGS,
-     "heap_sift(heap, tick, hpos, size, i) -> int: restore the heap order around i."},
+     "heap_sift(heap, tick, seq, hpos, size, i) -> int: restore the heap order around i."},
     {"key_find1", py_key_find1, METH_VARARGS,
      "key_find1(table, k0, k1, ns, key, nsid) -> int: one key's block id, or -1."},
     {"key_find_list", py_key_find_list, METH_VARARGS,

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections import Counter
 from itertools import repeat
 
+import numpy as np
+
 from gcache.config import MetaConfig
 from gcache.meta.index import Index
 from gcache.meta.parked import ParkedBooks
 from gcache.meta.records import (
-    BlockEntry,
+    Entries,
     NamespaceRecord,
     ObjectRecord,
     Parked,
@@ -106,21 +108,18 @@ class Adoption:
             return 0, 0, []
         counters = self.counters
         deferred: list[Parked] = []
-        adopted = dropped = created = nbytes = 0
+        adopted = dropped = 0
         base = now - 1.0  # recency(now, seq)
         fp = b""
         ns: NamespaceRecord | None = None
-        entries: dict[bytes, BlockEntry] = {}
+        entries: Entries | None = None
         layout = None
         sizes: list[int] = []
         nsums: list[int] = []
-        gbytes: list[int] = []
         groups = 0
-        full: int | None = None
-        link = self.index.link_object
-        policy, nvme_policy = self.index.policy, self.index.nvme_policy
-        dnew: list[ObjectRecord] = []  # admitted in bulk (admit_many) per namespace run
-        nnew: list[ObjectRecord] = []
+        index = self.index
+        cx = index.cx
+        new: list[np.ndarray] = []  # admitted together per namespace run
         cur: ServerRecord | None = None
         held: dict[int, ObjectRecord] | None = None
         sparked: dict[int, Parked | ParkedChunk] = {}
@@ -167,14 +166,9 @@ class Adoption:
                 dropped += 1
                 continue
             if nsf != fp or ns is None:
-                if ns is not None:
-                    self.index.add_group_bytes(ns, gbytes)
-                    if dnew:
-                        policy.admit_many(dnew, ns)
-                        dnew = []
-                    if nnew:
-                        nvme_policy.admit_many(nnew, ns)
-                        nnew = []
+                if ns is not None and new:
+                    index.admit(ns, np.concatenate(new))
+                    new = []
                 fp = nsf
                 ns = namespaces.get(fp)
                 if ns is not None:
@@ -183,26 +177,20 @@ class Adoption:
                     sizes = layout.group_object_bytes
                     nsums = [8 * len(x) for x in layout.group_layers]
                     groups = len(nsums)
-                    gbytes = [0] * groups
-                    full = ns.full_group
             if ns is None:
                 self.park_for_namespace(orig or mk(row, s, own, now))
                 continue
-            entry = entries.get(key)
-            if entry is None:
-                parent = None
+            assert entries is not None and layout is not None
+            bid = entries.find(key)
+            if bid < 0:
+                parent = -1
                 if pos:
-                    parent = entries.get(pkey)
-                    if parent is None or parent.pos + 1 != pos:
+                    parent = entries.find(pkey)
+                    if parent < 0 or int(cx.blocks.cols["pos"][parent]) + 1 != pos:
                         rec = orig or mk(row, s, own, now)
                         deferred.append(rec)
                         continue
-                entry = entries[key] = BlockEntry(key, parent, pos, groups)
-                created += 1
-                if full is not None:
-                    ns.full_holes += 1
-                if parent is not None:
-                    parent.children += 1
+                bid = index.new_block(ns, key, parent, pos)
             if (
                 g >= groups
                 or length != sizes[g]
@@ -212,40 +200,37 @@ class Adoption:
                 rec = orig or mk(row, s, own, now)
                 counters["report_invalid"] += 1
                 self.release_parked(rec)
-                self.index.prune(ns, entry)
+                index.prune(ns, bid)
                 dropped += 1
                 continue
-            have = entry.objects[g]
-            if have is not None:
+            have = int(cx.blocks.cols["obj"][bid, g])
+            if have >= 0:
                 dropped += 1
-                if have.server is s and have.tier == tier and have.offset == off:
+                o = cx.objects.cols
+                if (
+                    index.store.servers[int(o["server"][have])] is s
+                    and int(o["tier"][have]) == tier
+                    and int(o["offset"][have]) == off
+                ):
                     continue  # reported again (a re-registration): already adopted
                 counters["report_duplicates"] += 1
                 self.release_parked(orig or mk(row, s, own, now))
                 continue
             last = base + (seq if seq < 10**9 else 10**9) * 1e-9
-            # (the layout's length, equal to the row's: one int object for all)
-            obj = ObjectRecord(entry, g, s, off, sizes[g], sums, last, "", tier)
-            link(ns, entry, obj)
-            nbytes += length
-            gbytes[g] += length
-            if tier:
-                nnew.append(obj)
-            else:
-                dnew.append(obj)
-                if held is not None:
-                    held[off] = obj  # (adopted after its report completed: allocated)
+            oids = index.add_objects(
+                ns, np.array([bid], dtype=np.int32), g, s, [off], sizes[g],
+                np.frombuffer(sums, dtype=np.uint8).reshape(1, len(sums)),
+                np.array([last]), "", tier,
+            )  # fmt: skip
+            new.append(oids)
+            if not tier and held is not None:
+                held[off] = index.obj(int(oids[0]))  # (adopted after its report completed)
             adopted += 1
             mine += 1
         if mine and credit is not None and cur is not None:
             credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
-        if ns is not None:
-            self.index.add_group_bytes(ns, gbytes)
-            if dnew:
-                policy.admit_many(dnew, ns)
-            if nnew:
-                nvme_policy.admit_many(nnew, ns)
-        self.index.count_adopted(created, adopted, nbytes)  # reported objects: no tenant
+        if ns is not None and new:
+            index.admit(ns, np.concatenate(new))
         return adopted, dropped, deferred
 
     def park_chunk(self, srv: ServerRecord, cols: Columns, now: float) -> bool:
@@ -326,22 +311,17 @@ class Adoption:
             self.release_parked(rec)
             return 0, 1
         entries = ns.entries
-        entry = entries.get(rec.key)
-        if entry is None:
-            parent = None
+        bid = entries.find(rec.key)
+        if bid < 0:
+            parent = -1
             if rec.pos:
-                parent = entries.get(rec.parent)
-                if parent is None or parent.pos + 1 != rec.pos:
+                parent = entries.find(rec.parent)
+                pos = self.index.cx.blocks.cols["pos"]
+                if parent < 0 or int(pos[parent]) + 1 != rec.pos:
                     self.park_for_parent(rec)
                     return 0, 0
-            groups = len(ns.layout.group_windows)  # num_groups, without the property call
-            entry = entries[rec.key] = BlockEntry(rec.key, parent, rec.pos, groups)
-            self.index.count_adopted(1, 0, 0)
-            if ns.full_group is not None:
-                ns.full_holes += 1
-            if parent is not None:
-                parent.children += 1
-        if self.adopt(ns, entry, rec, now):
+            bid = self.index.new_block(ns, rec.key, parent, rec.pos)
+        if self.adopt(ns, bid, rec, now):
             return 1, 0
         return 0, 1
 
@@ -384,35 +364,43 @@ class Adoption:
             # range holds no one else's object, the server may drop the record.
             srv.freed.append((rec.offset, rec.length))
 
-    def adopt(self, ns: NamespaceRecord, entry: BlockEntry, rec: Parked, now: float) -> bool:
+    def adopt(self, ns: NamespaceRecord, bid: int, rec: Parked, now: float) -> bool:
         srv = rec.server
         assert srv is not None
         layout = ns.layout
+        index = self.index
         g = rec.group
         if (
-            g >= len(entry.objects)  # num_groups
+            g >= layout.num_groups
             or rec.length != layout.group_object_bytes[g]
             or len(rec.sums) != 8 * len(layout.group_layers[g])
             or (rec.layer_bytes and rec.layer_bytes != group_layer_bytes(layout, g))
         ):
             self.counters["report_invalid"] += 1
             self.release_parked(rec)
-            self.index.prune(ns, entry)
+            index.prune(ns, bid)
             return False
-        have = entry.objects[g]
-        if have is not None:
-            if have.server is srv and have.tier == rec.tier and have.offset == rec.offset:
+        have = int(index.cx.blocks.cols["obj"][bid, g])
+        if have >= 0:
+            o = index.cx.objects.cols
+            if (
+                index.store.servers[int(o["server"][have])] is srv
+                and int(o["tier"][have]) == rec.tier
+                and int(o["offset"][have]) == rec.offset
+            ):
                 return False  # reported again (a re-registration): already adopted
             self.counters["report_duplicates"] += 1
             self.release_parked(rec)
             return False
         seq = rec.seq
         last = now - 1.0 + (seq if seq < 10**9 else 10**9) * 1e-9  # recency(now, seq)
-        obj = ObjectRecord(entry, g, srv, rec.offset, rec.length, rec.sums, last, "", rec.tier)
-        self.index.link_object(ns, entry, obj)
-        self.index.count_in(ns, obj)  # no tenant: a reported object has none
+        oids = index.add_objects(
+            ns, np.array([bid], dtype=np.int32), g, srv, [rec.offset], rec.length,
+            np.frombuffer(rec.sums, dtype=np.uint8).reshape(1, len(rec.sums)),
+            np.array([last]), "", rec.tier,
+        )  # fmt: skip
         if rec.tier == 0 and srv.reported is not None:
-            srv.reported[rec.offset] = obj
+            srv.reported[rec.offset] = index.obj(int(oids[0]))
         # (Adopted after the report completed, it was parked: its range is allocated.)
-        self.index.pol(obj).admit(obj, ns)
+        index.admit(ns, oids)
         return True

@@ -78,8 +78,10 @@ class CompactIndex:
                 "children": ("<i4", 0),
                 "hot": ("<i4", 0),
                 "obj": ("<i4", groups),
+                "gen": ("<u4", 0),
             },
             {"children": 0, "hot": 0, "obj": -1},
+            {"gen": 0},
         )
         self.objects = RowTable(
             {
@@ -90,6 +92,7 @@ class CompactIndex:
                 "offset": ("<u8", 0),
                 "length": ("<u4", 0),
                 "tick": ("<u8", 0),
+                "hseq": ("<u8", 0),
                 "sums_len": ("<u2", 0),
                 "sums_slot": ("<i4", 0),
                 "hpos": ("<i4", 0),
@@ -97,8 +100,11 @@ class CompactIndex:
                 "hits": ("<i2", 0),
                 "owner": ("<u2", 0),
                 "score": ("<f4", 0),
+                "atime": ("<f8", 0),
+                "gen": ("<u4", 0),
             },
             {"hpos": -1, "pins": 0, "hits": 0, "score": 0},
+            {"gen": 0},
         )
         self.sums_slabs = Slabs()  # each object's checksums, a slab per length
         self.keys = KeyMap(self.blocks, native)
@@ -106,6 +112,19 @@ class CompactIndex:
         self.live_objects = 0
         self.leaves = Leaves(self.blocks, self.objects, native)
         self.detached = 0  # objects evicted while pinned, rows held
+        # Blocks whose ``children`` or ``hot`` count fell to 0 (their full object
+        # may now be a leaf of its tier), for a caller that wants to hear of them
+        # (the cost policy re-scores such a block); None: not kept.
+        self.leaf_events: list[int] | None = None
+
+    def widen(self, groups: int) -> None:
+        """Room for ``groups`` objects per block (a namespace with more groups
+        than any before)."""
+        if groups > 255:
+            raise CompactIndexError(f"groups must be at most 255, got {groups}")
+        if groups > self.groups:
+            self.blocks.widen("obj", groups, -1)
+            self.groups = groups
 
     def namespace(self, ns: int, full_group: int | None) -> None:
         """Declare namespace ``ns``'s prefix-closed (full-attention) group (None:
@@ -181,11 +200,39 @@ class CompactIndex:
             self.leaves.refresh(b["obj"][unique_ids(parents)].ravel())
         return ids
 
+    def add_block1(self, ns: int, key: bytes, parent: int, pos: int) -> int:
+        """One new block (its key not indexed) under block ``parent`` (-1: a
+        root); returns its id. Scalar work only (adoption record by record)."""
+        if len(key) != 16:
+            raise CompactIndexError(f"block keys are 16 bytes, got {len(key)}")
+        b = self.blocks.cols
+        if parent >= 0:
+            self._check_block(parent)
+            if int(b["ns"][parent]) != ns:
+                raise CompactIndexError(f"parent {parent} is in another namespace")
+        self.keys.fit(self.live_blocks + 1)
+        bid = int(self.blocks.take(1)[0])
+        b = self.blocks.cols
+        b["k0"][bid] = int.from_bytes(key[:8], "little")
+        b["k1"][bid] = int.from_bytes(key[8:], "little")
+        b["ns"][bid], b["parent"][bid], b["pos"][bid] = ns, parent, pos
+        self.keys.place(np.array([bid], dtype=np.int32))
+        self.live_blocks += 1
+        if parent >= 0:
+            b["children"][parent] += 1
+            if b["children"][parent] == 1:  # an NVMe full object: no more a leaf
+                full = self.leaves.full_of(parent)
+                if full != NO_FULL:
+                    self.leaves.refresh1(int(b["obj"][parent, full]))
+        return bid
+
     def _unindex(self, bid: int) -> None:
         """Take a block's key and row back (its parent's books are the caller's)."""
         self.keys.remove(bid)
         self.live_blocks -= 1
-        self.blocks.cols["ns"][bid] = 0xFFFF  # never matches a lookup again
+        b = self.blocks.cols
+        b["ns"][bid] = 0xFFFF  # never matches a lookup again
+        b["gen"][bid] += 1  # handles to the old block see it gone
         self.blocks.give1(bid)
 
     def add_chain(self, ns: int, keys: list[bytes]) -> I32:
@@ -211,6 +258,8 @@ class CompactIndex:
             if parent >= 0:
                 b["children"][parent] -= 1
                 if b["children"][parent] == 0:
+                    if self.leaf_events is not None:
+                        self.leaf_events.append(parent)
                     objs = b["obj"][parent]
                     live = objs[objs >= 0]
                     self.leaves.refresh(live)
@@ -316,6 +365,8 @@ class CompactIndex:
         if parent >= 0:
             b["hot"][parent] += step
             self.leaves.refresh1(int(b["obj"][parent, self.leaves.full_of(bid)]))
+            if step < 0 and self.leaf_events is not None and b["hot"][parent] == 0:
+                self.leaf_events.append(parent)
 
     def remove_object(self, oid: int, prune: bool = True) -> Freed:
         """Take an object out of the index (an eviction); returns (server, tier,
@@ -348,6 +399,7 @@ class CompactIndex:
         o = self.objects.cols
         self.sums_slabs.free(int(o["sums_len"][oid]), int(o["sums_slot"][oid]))
         o["block"][oid] = -1
+        o["gen"][oid] += 1  # handles to the old object see it gone
         self.objects.give1(oid)
 
     def pin(self, oids: I32) -> None:
@@ -364,6 +416,10 @@ class CompactIndex:
     def unpin(self, oids: I32) -> list[Freed]:
         """A lease on ``oids`` ended. Returns (server, tier, offset, length) of the
         detached objects whose last pin this was: theirs to free now."""
+        return [f for _, f in self.unpin_rows(oids)]
+
+    def unpin_rows(self, oids: I32) -> list[tuple[int, Freed]]:
+        """:meth:`unpin`, each freed object with its (former) id."""
         o = self.objects.cols
         if oids.size and not ((oids >= 0) & (oids < self.objects.rows)).all():
             raise CompactIndexError("unpin of an object no lease holds")
@@ -374,8 +430,8 @@ class CompactIndex:
         free = u[o["pins"][u] == 0]
         freed = []
         for oid in free[o["block"][free] == DETACHED].tolist():
-            freed.append((int(o["server"][oid]), int(o["tier"][oid]), int(o["offset"][oid]),
-                          int(o["length"][oid])))  # fmt: skip
+            freed.append((oid, (int(o["server"][oid]), int(o["tier"][oid]),
+                          int(o["offset"][oid]), int(o["length"][oid]))))  # fmt: skip
             self._free_row(oid)
             self.detached -= 1
         self.leaves.refresh(free[o["block"][free] >= 0])
@@ -395,13 +451,14 @@ class CompactIndex:
             width, tick = int(o["sums_len"][oid]), int(o["tick"][oid])
             sums = np.frombuffer(self.sums(oid), np.uint8).reshape(1, width)
             row = [int(o[c][oid]) for c in ("server", "length", "owner")]
-            score = float(o["score"][oid])
+            score, atime = float(o["score"][oid]), float(o["atime"][oid])
             self.remove_object(oid, prune=False)  # detached: its pins, its old range
             (oid,) = self.add_objects(
                 np.array([bid], np.int32), group, row[0], np.array([offset], np.uint64),
                 np.array([row[1]], np.uint32), sums, np.array([tick], np.uint64), tier, row[2],
             )  # fmt: skip
             self.objects.cols["score"][oid] = score
+            self.objects.cols["atime"][oid] = atime
             return int(oid)
         self.leaves.take_out(oid)
         if o["tier"][oid] == 0 and o["hits"][oid] != LEAVING_DRAM:
@@ -438,6 +495,15 @@ class CompactIndex:
         """Mark objects used at ``tick`` (a lookup's hits): later victims."""
         o = self.objects.cols
         o["tick"][oids] = tick
+        hpos, tier = o["hpos"], o["tier"]
+        heaps = self.leaves.heaps
+        for oid in oids[hpos[oids] >= 0].tolist():
+            heaps[int(tier[oid])].rekey(oid)
+
+    def retick(self, oids: I32, ticks: U64) -> None:
+        """New eviction keys for ``oids`` (a policy re-scored them)."""
+        o = self.objects.cols
+        o["tick"][oids] = ticks
         hpos, tier = o["hpos"], o["tier"]
         heaps = self.leaves.heaps
         for oid in oids[hpos[oids] >= 0].tolist():

@@ -12,7 +12,7 @@ import numpy as np
 
 from gcache.meta.index import Index
 from gcache.meta.parked import ParkedBooks
-from gcache.meta.records import GONE, LIVE, ObjectRecord, Parked, ParkedChunk, ServerRecord
+from gcache.meta.records import LIVE, ObjectRecord, Parked, ParkedChunk, ServerRecord
 from gcache.storage.allocator import SegmentAllocator
 
 Held = ObjectRecord | Parked | ParkedChunk
@@ -97,6 +97,5 @@ def forget_overlapping(
         elif what.state == LIVE:
             entry = what.entry
             ns = index.ns_of(entry)
-            index.unlink(ns, entry, what.group)
-            what.state = GONE
+            index.forget(index.unlink(ns, entry, what.group))
             index.prune(ns, entry)

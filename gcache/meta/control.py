@@ -87,15 +87,15 @@ class GcPause:
     """The cyclic garbage collector paused while reports are adopted, and what they
     adopted frozen out of it afterwards.
 
-    A rebuild allocates millions of long-lived objects (entries, object records,
-    heap items); the collector's generational passes over them took half of the
-    rebuild's CPU (bench/meta_rebuild.py: 1.68 s instead of 3.6 s for 206k objects in
-    process), and its first full pass after a 1M-block rebuild stalled the event
-    loop for seconds (heartbeats unanswered). When the last report in progress ends
-    (also on error) everything alive is moved to the permanent generation
-    (``gc.freeze``, as the daemon does after start-up) and the collector resumes:
-    it never rescans the rebuilt index. Index records are in no reference cycle
-    once unlinked (``RingNode.unlink``), so reference counting frees what leaves.
+    A rebuild allocates many objects while it runs (decoded report chunks,
+    parked records, handles); the collector's generational passes over them took
+    half of the rebuild's CPU when the index itself was Python objects
+    (bench/meta_rebuild.py: 1.68 s instead of 3.6 s for 206k objects in process),
+    and a full pass after a large rebuild stalled the event loop (heartbeats
+    unanswered). When the last report in progress ends (also on error)
+    everything alive is moved to the permanent generation (``gc.freeze``, as the
+    daemon does after start-up) and the collector resumes: it never rescans
+    what the rebuild left.
     Only after a real rebuild (at least ``FREEZE_MIN`` objects adopted during the
     pause): a frozen object that later becomes cyclic garbage (a closed
     connection's) is never collected, so small pauses do not freeze."""
@@ -516,7 +516,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
                     shm_path=s.addr.shm_path,
                     nvme_capacity=s.nvme_capacity,
                     nvme_used=s.nvme_bytes,
-                    nvme_objects=len(s.nvme_objects),
+                    nvme_objects=s.nvme_count,
                     demotions=s.demoted,
                     demotions_in_flight=len(s.demoting),
                     dropped_not_demoted=s.dropped,

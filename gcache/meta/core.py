@@ -174,7 +174,7 @@ class MetaCore:
         # ---- the public methods of the components (thin delegations) ----
         self.lookup = self.leasing.lookup
         self.match = self.leasing.match
-        self.pick = self.leasing.pick
+        self.pick = self.leasing.pick_keys
         self.release = self.leasing.release
         self.put_budget = self.pending.put_budget
         self.put_begin = self.pending.put_begin
@@ -306,9 +306,7 @@ class MetaCore:
             return ns
         if len(namespaces) >= MAX_NAMESPACES:
             raise LayoutError(f"too many namespaces (limit {MAX_NAMESPACES})")
-        ns = NamespaceRecord(len(namespaces) + 1, fp, layout, descriptor)
-        namespaces[fp] = ns
-        self.index.ns_by_id[ns.ns_id] = ns
+        ns = self.index.new_namespace(fp, layout, descriptor)
         # What servers reported for it before it was registered (a meta restart).
         self.rebuild.adopt_parked_namespace(ns, self.now_s)
         return ns

@@ -16,11 +16,12 @@ FLOPs / bytes; see ``docs/eviction.md`` for the rule and its measured effect).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from gcache.compute import (  # re-exported: the compute model lives in the shared core
     PRESET_COMPUTE,
@@ -29,21 +30,18 @@ from gcache.compute import (  # re-exported: the compute model lives in the shar
     compute_for_layout,
 )
 from gcache.layout import Layout
-from gcache.meta.records import (
-    LIVE,
-    BlockEntry,
-    NamespaceRecord,
-    ObjectRecord,
-    ServerRecord,
-    kids,
-)
+from gcache.meta.handles import LIVE, BlockEntry, ObjectRecord, kids
 
-HeapItem = tuple[float, int, ObjectRecord, NamespaceRecord]
+if TYPE_CHECKING:
+    from gcache.meta.index import Ghost, Index
+    from gcache.meta.records import NamespaceRecord
+
+F64 = npt.NDArray[np.float64]
 
 
 def evictable(obj: ObjectRecord, ns: NamespaceRecord) -> bool:
     """Live, unleased, and a full object only at a leaf of its tier (see
-    :func:`~gcache.meta.records.kids`: a DRAM block whose children are all on NVMe
+    :func:`~gcache.meta.handles.kids`: a DRAM block whose children are all on NVMe
     may leave DRAM, by demotion or eviction)."""
     if obj.state != LIVE or obj.pins:
         return False
@@ -52,167 +50,81 @@ def evictable(obj: ObjectRecord, ns: NamespaceRecord) -> bool:
     return kids(obj) == 0
 
 
-def _candidate(item: HeapItem) -> bool:
-    """A heap item still names an evictable object as it was pushed."""
-    stamp, _, obj, ns = item
-    return stamp == obj.last_access and evictable(obj, ns)
-
-
 class EvictionPolicy(Protocol):
+    """How a tier ranks its evictable objects. The index keeps the order (a heap
+    per tier of the compact index, ``meta/leaves.py``) and which objects are in
+    it; a policy says what an object's key is (the smallest goes first) from its
+    last access and its score, and, with ``events``, hears what may change a
+    score."""
+
     name: str
+    events: bool  # wants the per-object hooks below
 
-    def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        """A newly committed object (called once every object of the put is linked)."""
+    def bind(self, ix: Index, tier: int) -> None:
+        """The index (and tier) whose objects it ranks."""
 
-    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
-        """:meth:`admit` for objects of ``ns`` adopted together (a rebuild's chunk),
-        once all of them are linked."""
-
-    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
-        """An object returned by a lookup; ``obj.last_access`` is already updated and
-        ``age`` is the time since the previous access."""
-
-    def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
-        """``entry`` lost its last cached child: its full object is now evictable."""
-
-    def evicted(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        """``obj`` just left the index (its entry's links are still intact)."""
-
-    def unpinned(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        """The last lease on a live ``obj`` ended: it may be a candidate again."""
-
-    def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
-        """Evictable objects, best victim first: of the whole store (``lru``,
-        ``cost``), so the order follows value across servers, or of ``server`` only.
-        The caller evicts as it iterates and stops once ``server`` has room, so
-        implementations re-check each candidate lazily."""
+    def keys(self, atime: F64, score: npt.NDArray[Any]) -> F64:
+        """Eviction keys of objects last accessed at ``atime`` with ``score``."""
         ...
 
-    def forget_server(self, server: ServerRecord) -> None: ...
+    def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+        """A newly added object (called once every object of the put is added)."""
+
+    def accessed(self, oids: npt.NDArray[np.int32], ns: NamespaceRecord, now: float) -> None:
+        """A lookup read these objects at ``now`` (their keys are updated already)."""
+
+    def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
+        """``entry`` lost its last child (in a tier): its full object may be a leaf."""
+
+    def evicted(self, obj: Ghost, ns: NamespaceRecord) -> None:
+        """An object just left the index (its block is still there)."""
+
+    def stale(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        """A candidate whose key is out of date: re-scored here, True to re-rank
+        it instead of evicting it now."""
+        ...
 
     def stats(self) -> dict[str, int]: ...
 
 
 class LRUPolicy:
-    """Least recently used among the evictable objects of the whole store.
-
-    One lazy-deletion heap keyed by ``last_access`` for every server together, so
-    an old prompt split across servers ranks by its age, not by where its blocks
-    happen to sit (per-server heaps would evict a fresh prompt on one server while
-    the old one's leaf, elsewhere, kept its interior blocks unevictable). A touch
-    pushes a new item instead of re-heapifying; stale items are skipped when popped
-    and the heap is rebuilt when it has grown 4x since the last rebuild.
-    """
+    """Least recently used among the evictable objects of the whole store: the key
+    is the last access. One order for every server together, so an old prompt
+    split across servers ranks by its age, not by where its blocks happen to sit
+    (per-server orders would evict a fresh prompt on one server while the old
+    one's leaf, elsewhere, kept its interior blocks unevictable)."""
 
     name = "lru"
+    events = False
 
     def __init__(self) -> None:
-        self._heap: list[HeapItem] = []
-        self._base = 0  # heap size after the last rebuild
-        self._seq = itertools.count()
-        self.pushes = 0
-        # Items admitted in bulk (admit_many) not in the heap yet: merged, with one
-        # heapify when many, before the heap is next read or pushed to.
-        self._pending: list[HeapItem] = []
-        self.pending_min = 1 << 16  # pending items are filtered past this many (and
-        self._pending_check = self.pending_min  # twice what a filter left)
+        self.ix: Index | None = None
+        self.tier = 0
 
-    def _merge(self) -> None:
-        pending, heap = [it for it in self._pending if _candidate(it)], self._heap
-        self._pending = pending
-        if len(pending) * 16 < len(heap):
-            for item in pending:
-                heapq.heappush(heap, item)
-        else:
-            heap.extend(pending)
-            heapq.heapify(heap)
-        pending.clear()
-        if len(heap) > 4096 and len(heap) > 4 * self._base:
-            self._compact(heap)
-            self._base = len(heap)
+    def bind(self, ix: Index, tier: int) -> None:
+        self.ix, self.tier = ix, tier
 
-    def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        if self._pending:
-            self._merge()
-        heap = self._heap
-        heapq.heappush(heap, (obj.last_access, next(self._seq), obj, ns))
-        self.pushes += 1
-        if len(heap) > 4096 and len(heap) > 4 * self._base:
-            self._compact(heap)
-            self._base = len(heap)
-
-    def _compact(self, heap: list[HeapItem]) -> None:
-        best: dict[int, HeapItem] = {}
-        for item in heap:
-            obj = item[2]
-            if obj.state == LIVE and item[0] == obj.last_access:
-                best[id(obj)] = item
-        heap[:] = list(best.values())
-        heapq.heapify(heap)
+    def keys(self, atime: F64, score: npt.NDArray[Any]) -> F64:
+        return atime
 
     def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        # A fresh object is live and unleased: only an interior full one waits.
-        if obj.group != ns.full_group or kids(obj) == 0:
-            self._push(obj, ns)
-
-    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
-        # As admit, without a heap push per object: one heapify when merged.
-        fg = ns.full_group
-        seq = self._seq
-        items = [
-            (o.last_access, next(seq), o, ns)
-            for o in objs
-            if o.group != fg or not (o.entry.hot if o.tier == 0 else o.entry.children)
-        ]
-        self._pending += items
-        self.pushes += len(items)
-        if len(self._pending) > self._pending_check:
-            # A rebuild adopts a prompt's blocks over several chunks: an object
-            # admitted as a leaf has children by now (it comes back through
-            # became_leaf when they go). Keep only the candidates.
-            self._pending = [it for it in self._pending if _candidate(it)]
-            self._pending_check = 2 * len(self._pending) + self.pending_min
-
-    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
-        if evictable(obj, ns):
-            self._push(obj, ns)
-
-    def evicted(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         pass
 
-    def unpinned(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        if evictable(obj, ns):
-            self._push(obj, ns)
+    def accessed(self, oids: npt.NDArray[np.int32], ns: NamespaceRecord, now: float) -> None:
+        pass
 
     def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
-        if ns.full_group is not None:
-            obj = entry.objects[ns.full_group]
-            if obj is not None and obj.state == LIVE and not obj.pins and not kids(obj):
-                self._push(obj, ns)
+        pass
 
-    def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
-        """Store-wide order (``server`` is where room is needed; the caller stops
-        once it has it)."""
-        if self._pending:
-            self._merge()
-        heap = self._heap
-        pop = heapq.heappop
-        while heap:
-            stamp, _, obj, ns = pop(heap)
-            if (
-                stamp != obj.last_access
-                or obj.state != LIVE
-                or obj.pins
-                or (obj.group == ns.full_group and kids(obj))
-            ):
-                continue  # stale: touched since, evicted, leased, or has children now
-            yield obj, ns
+    def evicted(self, obj: Ghost, ns: NamespaceRecord) -> None:
+        pass
 
-    def forget_server(self, server: ServerRecord) -> None:
-        pass  # its objects are GONE: their items are skipped as stale
+    def stale(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        return False
 
     def stats(self) -> dict[str, int]:
-        return {"heap_items": len(self._heap) + len(self._pending), "pushes": self.pushes}
+        heap = self.ix.cx.leaves.heaps[self.tier].size if self.ix is not None else 0
+        return {"heap_items": heap}
 
 
 # ---- the cost policy -------------------------------------------------------------------
@@ -270,6 +182,7 @@ class CostPolicy:
     """
 
     name = "cost"
+    events = True
 
     def __init__(
         self,
@@ -277,11 +190,9 @@ class CostPolicy:
         tau_s: float | None = None,
     ) -> None:
         """``tau_s`` fixes ``tau`` (tests, experiments) instead of measuring it."""
+        self.ix: Index | None = None
+        self.tier = 0
         self._now = 0.0  # the latest access seen: the clock, for eviction ages
-        # One heap for the whole store (see LRUPolicy), rebuilt at 4x growth.
-        self._heap: list[HeapItem] = []
-        self._base = 0
-        self._seq = itertools.count()
         self._compute = compute
         self._ns: dict[int, _NsCost] = {}
         self.fixed_tau = tau_s is not None
@@ -362,28 +273,22 @@ class CostPolicy:
         prev = self._prev_window(e.parent, end, nc)
         return self._density(prev, end, nc.window_bytes, nc) + bonus
 
-    # -- heap ------------------------------------------------------------------------
+    # -- keys ------------------------------------------------------------------------
+
+    def bind(self, ix: Index, tier: int) -> None:
+        self.ix, self.tier = ix, tier
+
+    def keys(self, atime: F64, score: npt.NDArray[Any]) -> F64:
+        return atime + self.tau * score.astype(np.float64)
 
     def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        heap = self._heap
-        heapq.heappush(heap, (obj.last_access + self.tau * obj.score, next(self._seq), obj, ns))
+        """``obj``'s score changed: re-rank it."""
+        assert self.ix is not None
+        self.ix.rekey(np.array([obj.oid], dtype=np.int32))
         self.pushes += 1
-        if len(heap) > 4096 and len(heap) > 4 * self._base:
-            self._rekey(heap)
-            self._base = len(heap)
-
-    def _rekey(self, heap: list[HeapItem]) -> None:
-        """Drop stale items and key the rest with the current ``tau``."""
-        best: dict[int, HeapItem] = {}
-        for item in heap:
-            obj = item[2]
-            if obj.state == LIVE and id(obj) not in best:
-                best[id(obj)] = (obj.last_access + self.tau * obj.score, item[1], obj, item[3])
-        heap[:] = list(best.values())
-        heapq.heapify(heap)
 
     def _rescore_full(self, e: BlockEntry, ns: NamespaceRecord, nc: _NsCost) -> None:
-        if nc.fg is None:
+        if nc.fg is None or not e.alive:
             return
         full = e.objects[nc.fg]
         if full is None or full.state != LIVE or full.pins or kids(full):
@@ -406,20 +311,13 @@ class CostPolicy:
                 self._push(obj, ns)
             return
         obj.score = self._score_window(obj, nc)
-        if evictable(obj, ns):
-            self._push(obj, ns)
+        self._push(obj, ns)
         if obj.entry.children == 0:  # a window at a leaf anchors its full object
             self._rescore_full(obj.entry, ns, nc)
 
-    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
-        for obj in objs:
-            self.admit(obj, ns)
-
-    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
-        if obj.last_access > self._now:
-            self._now = obj.last_access
-        if evictable(obj, ns):
-            self._push(obj, ns)
+    def accessed(self, oids: npt.NDArray[np.int32], ns: NamespaceRecord, now: float) -> None:
+        if now > self._now:
+            self._now = now
 
     def _update_tau(self) -> None:
         est = max(TAU_MIN_S, self._age_sum / self._age_n)
@@ -428,12 +326,13 @@ class CostPolicy:
         if not 1 / TAU_DRIFT <= est / self.tau <= TAU_DRIFT:
             self.tau = est
             self.rekeys += 1
-            self._rekey(self._heap)
+            if self.ix is not None:
+                self.ix.rekey_all()
 
     def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         self._rescore_full(entry, ns, self._ns.get(ns.ns_id) or self._cost(ns))
 
-    def evicted(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+    def evicted(self, obj: Ghost, ns: NamespaceRecord) -> None:
         nc = self._ns.get(ns.ns_id) or self._cost(ns)
         if not self.fixed_tau and obj.score > ZERO / 2:
             self._age_sum += self._now - obj.last_access
@@ -443,6 +342,8 @@ class CostPolicy:
         if obj.group == nc.fg:
             return  # the whole block goes; the parent hears of it via became_leaf
         e = obj.entry
+        if not e.alive:
+            return
         if e.children == 0:
             self._rescore_full(e, ns, nc)  # its end window is broken
         parent = e.parent
@@ -452,31 +353,13 @@ class CostPolicy:
                 piece.score = ZERO  # half of a window nobody can use
                 self._push(piece, ns)
 
-    def unpinned(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        if evictable(obj, ns):
-            self._push(obj, ns)
-
-    def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
-        """Store-wide order, as for :class:`LRUPolicy`."""
-        heap = self._heap
-        pop = heapq.heappop
-        while heap:
-            key, _, obj, ns = pop(heap)
-            if (
-                key != obj.last_access + self.tau * obj.score
-                or obj.state != LIVE
-                or obj.pins
-                or (obj.group == ns.full_group and kids(obj))
-            ):
-                continue  # stale: touched or re-scored since, evicted, or interior now
-            yield obj, ns
-
-    def forget_server(self, server: ServerRecord) -> None:
-        pass  # its objects are GONE: their items are skipped as stale
+    def stale(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        return False
 
     def stats(self) -> dict[str, int]:
+        heap = self.ix.cx.leaves.heaps[self.tier].size if self.ix is not None else 0
         return {
-            "heap_items": len(self._heap),
+            "heap_items": heap,
             "pushes": self.pushes,
             "rekeys": self.rekeys,
             "tau_ms": int(self.tau * 1000),

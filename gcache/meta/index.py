@@ -1,32 +1,42 @@
-"""Index bookkeeping shared by the meta's put, lookup and eviction paths: linking
-and dropping objects and entries with incremental counters, pins, accesses and
-demotion marks, returning ranges to allocators. Every other component of the meta
-changes records through it; nothing here does I/O or reads the clock."""
+# One file (over 450 lines): every change to blocks and objects keeps the same
+# books together (the columns, the per-server, per-group and per-tenant totals).
+"""Index bookkeeping shared by the meta's put, lookup and eviction paths: adding
+and removing blocks and objects in the compact index (``meta/compact.py``) with
+incremental counters, pins, accesses and demotion marks, returning ranges to
+allocators. Every other component of the meta changes blocks and objects through
+it; nothing here does I/O or reads the clock.
+
+The eviction order is the compact index's: per tier, a heap of the evictable
+objects keyed by each tier's policy (``meta/eviction.py``), which says how an
+object's key follows from its last access and its score."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from gcache.config import MetaConfig
 from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, Refusal
 from gcache.keys import KEY_SIZE
+from gcache.layout import Layout
+from gcache.meta.compact import DETACHED, LEAVING_DRAM
 from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
+from gcache.meta.handles import EVICTED, GONE, Entries, Store
+from gcache.meta.leaves import float_ticks
 from gcache.meta.quarantine import Quarantine
-from gcache.meta.records import (
-    EVICTED,
-    GONE,
-    LIVE,
-    BlockEntry,
-    NamespaceRecord,
-    ObjectRecord,
-    ServerRecord,
-)
+from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.session import Principal
 
-LEAVING_DRAM = -2  # ObjectRecord.hits of a full DRAM object being demoted (mark_leaving)
+__all__ = ["LEAVING_DRAM", "MAX_FREED_REPORT", "Ghost", "Index"]
+
+I32 = npt.NDArray[np.int32]
+Objs = Sequence[ObjectRecord] | I32  # handles, or object rows
 
 
 def _nothing() -> None: ...
@@ -37,11 +47,57 @@ def _nothing() -> None: ...
 MAX_FREED_REPORT = 1 << 16
 
 
+class Ghost:
+    """What an object was when it left the index (its row may be reused at once):
+    for the policies' ``evicted`` hook and the caller that frees its range. While
+    leases pin it (``pinned``), its row is held and ``oid`` still names it."""
+
+    __slots__ = (
+        *("entry", "group", "last_access", "length", "offset", "oid", "owner", "pinned"),
+        *("score", "server", "state", "tier"),
+    )
+
+    def __init__(
+        self,
+        oid: int,
+        entry: BlockEntry,
+        group: int,
+        server: ServerRecord,
+        tier: int,
+        offset: int,
+        length: int,
+        owner: str,
+        score: float,
+        last_access: float,
+        pinned: bool,
+    ) -> None:
+        self.oid = oid
+        self.entry = entry
+        self.group = group
+        self.server = server
+        self.tier = tier
+        self.offset = offset
+        self.length = length
+        self.owner = owner
+        self.score = score
+        self.last_access = last_access
+        self.pinned = pinned
+        self.state = EVICTED if pinned else GONE
+
+
+def rows(objs: Objs) -> I32:
+    """Object rows of handles or rows."""
+    if isinstance(objs, np.ndarray):
+        return objs.astype(np.int32, copy=False)
+    return np.fromiter((o.oid for o in objs), np.int32, len(objs))
+
+
 class Index:
-    """The prefix index of every namespace and its store-wide totals: linking and
-    unlinking objects with incremental counters, the eviction mechanics (which
-    object goes is the policy's decision; this is how it goes), returning ranges to
-    allocators, and the quarantine of ranges freed from pending puts."""
+    """The prefix index of every namespace and its store-wide totals: adding and
+    removing blocks and objects with incremental counters, the eviction
+    mechanics (which object goes is the policies' order; this is how it goes),
+    returning ranges to allocators, and the quarantine of ranges freed from
+    pending puts."""
 
     def __init__(
         self,
@@ -53,15 +109,16 @@ class Index:
     ) -> None:
         self.cfg = cfg
         self.counters = counters
-        self.policy = policy  # orders DRAM (tier 0) objects
-        self.nvme_policy = nvme_policy  # orders NVMe (tier 1) objects
+        self.store = Store()
+        self.cx = self.store.cx
+        self._policies: list[EvictionPolicy] = [policy, nvme_policy]
+        policy.bind(self, 0)  # orders DRAM (tier 0) objects
+        nvme_policy.bind(self, 1)  # orders NVMe (tier 1) objects
         self.removals = removals  # removed blocks, for WatchRemovals subscribers
         self.namespaces: dict[bytes, NamespaceRecord] = {}
-        self.ns_by_id: dict[int, NamespaceRecord] = {}
+        self.ns_by_id = self.store.ns_by_id
         self.group_bytes: Counter[str] = Counter()
         self.tenant_bytes: Counter[str] = Counter()  # committed bytes per tenant
-        self.entries = 0
-        self.live_objects = 0
         self.live_bytes = 0
         # Ranges of pending puts whose write grants may still be presented; they
         # return to the allocator only after.
@@ -70,55 +127,91 @@ class Index:
         # there): the wiring points it at Membership.invalidate.
         self.outbox_full: Callable[[], None] = _nothing
 
-    def pol(self, obj: ObjectRecord) -> EvictionPolicy:
-        return self.nvme_policy if obj.tier else self.policy
+    # ---- policies and totals --------------------------------------------------------
 
-    def leaf_now(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
-        """``entry`` may have become a leaf of its full object's tier: tell that
-        tier's policy."""
-        fg = ns.full_group
-        if fg is None:
-            return
-        full = entry.objects[fg]
-        if full is not None:
-            self.pol(full).became_leaf(entry, ns)
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policies[0]
 
-    def link_object(self, ns: NamespaceRecord, entry: BlockEntry, obj: ObjectRecord) -> None:
-        """Put ``obj`` (not yet counted) into ``entry`` and the per-server books."""
-        g = obj.group
-        entry.objects[g] = obj
-        srv = obj.server
-        srv.ring(ns.ns_id).link(obj)
-        srv.objects += 1
-        if g == ns.full_group:
-            ns.full_holes -= 1
-            if obj.tier == 0 and entry.parent is not None:
-                entry.parent.hot += 1
-        if obj.tier:
-            srv.nvme_bytes += obj.length
-            srv.nvme_objects[obj.offset] = obj
+    @policy.setter
+    def policy(self, policy: EvictionPolicy) -> None:
+        """Replace the DRAM policy (before anything is stored: the replayer)."""
+        policy.bind(self, 0)
+        self._policies[0] = policy
 
-    def record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
-        """Queue a committed DRAM object for its server's manifest (the next
-        heartbeat reply's ``adopt``). Lossless and bounded: past ``adopt_outbox``
-        waiting, the server takes no new placements until a heartbeat drains it;
-        puts placed before may still add (``adopt_overflow``)."""
-        srv = obj.server
-        out = srv.adopt_out
-        out.append((obj, ns))
-        n = len(out)
-        bound = self.cfg.adopt_outbox
-        if n == bound:
-            self.outbox_full()  # placement pauses on this server
-            self.counters["adopt_paused"] += 1
-        elif n > bound:
-            srv.adopt_overflow += 1
-            self.counters["adopt_overflow"] += 1
+    @property
+    def nvme_policy(self) -> EvictionPolicy:
+        return self._policies[1]
+
+    def pol(self, obj: ObjectRecord | Ghost) -> EvictionPolicy:
+        return self._policies[1 if obj.tier else 0]
+
+    @property
+    def entries(self) -> int:
+        return self.cx.live_blocks
+
+    @property
+    def live_objects(self) -> int:
+        return self.cx.live_objects
+
+    def obj(self, oid: int) -> ObjectRecord:
+        return self.store.obj(oid)
 
     def ns_of(self, entry: BlockEntry) -> NamespaceRecord:
-        """The namespace ``entry`` is in (a scan of the namespaces: for rare paths,
-        the records do not point back to it)."""
-        return next(n for n in self.namespaces.values() if n.entries.get(entry.key) is entry)
+        """The namespace ``entry`` is in."""
+        return self.ns_by_id[entry.ns_id]
+
+    def new_namespace(
+        self, fp: bytes, layout: Layout, descriptor: dict[str, Any]
+    ) -> NamespaceRecord:
+        ns_id = len(self.namespaces) + 1
+        ns = NamespaceRecord(ns_id, fp, layout, descriptor, Entries(self.store, ns_id))
+        self.cx.widen(layout.num_groups)
+        self.cx.namespace(ns_id, ns.full_group)
+        self.namespaces[fp] = ns
+        self.ns_by_id[ns_id] = ns
+        return ns
+
+    def ticks(self, oids: I32) -> npt.NDArray[np.uint64]:
+        """The eviction keys of ``oids`` as their tiers' policies rank them."""
+        o = self.cx.objects.cols
+        atime, score, tier = o["atime"][oids], o["score"][oids], o["tier"][oids]
+        keys = self._policies[0].keys(atime, score)
+        if tier.any():
+            nv = tier != 0
+            keys = np.where(nv, self._policies[1].keys(atime, score), keys)
+        return float_ticks(keys)
+
+    def rekey(self, oids: I32) -> None:
+        """Their policy changed their keys (a score, ``tau``): re-rank them."""
+        if oids.size:
+            self.cx.retick(oids, self.ticks(oids))
+
+    def rekey_all(self) -> None:
+        """Every object's key changed (the cost policy's ``tau`` moved)."""
+        o = self.cx.objects
+        live = np.flatnonzero(o.cols["block"][: o.rows] >= 0).astype(np.int32)
+        if live.size:
+            o.cols["tick"][live] = self.ticks(live)
+        self.cx.leaves.rekey_all()
+
+    def _leaf_events(self) -> None:
+        """Tell the policies that want them which blocks became leaves."""
+        ev = self.cx.leaf_events
+        if not ev:
+            return
+        bids, ev[:] = list(ev), []
+        if not (self._policies[0].events or self._policies[1].events):
+            return
+        b = self.cx.blocks.cols
+        for bid in bids:
+            if int(b["ns"][bid]) == 0xFFFF:
+                continue  # pruned meanwhile
+            entry = self.store.block(bid)
+            ns = self.ns_by_id[entry.ns_id]
+            for p in self._policies:
+                if p.events:
+                    p.became_leaf(entry, ns)
 
     # ---- requests: namespace, keys, access -------------------------------------------
 
@@ -140,7 +233,154 @@ class Index:
             bad = next((len(k) for k in key_list if len(k) != KEY_SIZE), 0)
             raise Refusal(E_BAD_REQUEST, f"block keys are {KEY_SIZE} bytes, got {bad}")
 
+    # ---- blocks ------------------------------------------------------------------------
+
+    def ensure_chain(self, ns: NamespaceRecord, key_list: list[bytes]) -> I32:
+        """The blocks of a prompt's keys (each the parent of the next), created
+        where missing; returns their ids."""
+        before = self.cx.live_blocks
+        bids = self.cx.add_chain(ns.ns_id, key_list)
+        self._created(ns, self.cx.live_blocks - before)
+        return bids
+
+    def ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
+        return self.store.block(int(self.ensure_chain(ns, key_list[: block + 1])[block]))
+
+    def new_block(self, ns: NamespaceRecord, key: bytes, parent: int, pos: int) -> int:
+        """One new block of ``ns`` (its key not indexed) under ``parent`` (-1: a
+        root)."""
+        bid = self.cx.add_block1(ns.ns_id, key, parent, pos)
+        self._created(ns, 1)
+        return bid
+
+    def _created(self, ns: NamespaceRecord, n: int) -> None:
+        ns.entries.count += n
+        if ns.full_group is not None:
+            ns.full_holes += n
+
+    def prune(self, ns: NamespaceRecord, entry: BlockEntry | int | None) -> None:
+        """Drop an empty childless block, and its ancestors as they become so."""
+        if entry is None:
+            return
+        bid = entry if isinstance(entry, int) else entry.bid
+        if isinstance(entry, BlockEntry) and not entry.alive:
+            return  # already pruned
+        b = self.cx.blocks.cols
+        if int(b["ns"][bid]) == 0xFFFF or b["children"][bid] or (b["obj"][bid] >= 0).any():
+            return
+        before = self.cx.live_blocks
+        self.cx.remove_block(bid)
+        n = before - self.cx.live_blocks
+        ns.entries.count -= n
+        if ns.full_group is not None:
+            ns.full_holes -= n
+        self._leaf_events()
+
+    # ---- objects -----------------------------------------------------------------------
+
+    def add_objects(
+        self,
+        ns: NamespaceRecord,
+        bids: I32,
+        group: int,
+        srv: ServerRecord,
+        offsets: Sequence[int] | npt.NDArray[np.uint64],
+        length: int,
+        sums: npt.NDArray[np.uint8],
+        atimes: npt.NDArray[np.float64],
+        owner: str = "",
+        tier: int = 0,
+    ) -> I32:
+        """Objects of ``group`` of blocks ``bids`` (none there yet) on ``srv``, each
+        ``length`` bytes, counted in every total. The caller admits them
+        (:meth:`admit`) once everything of its batch is added."""
+        n = len(bids)
+        if not n:
+            return np.empty(0, dtype=np.int32)
+        st = self.store
+        slot = st.slot_of(srv)
+        offs = np.asarray(offsets, dtype=np.uint64)
+        o = self.cx.objects
+        # (the ticks are the policy's keys of these access times and a zero score)
+        pol = self._policies[1 if tier else 0]
+        ticks = float_ticks(pol.keys(atimes, np.zeros(n, dtype=np.float32)))
+        oids = self.cx.add_objects(
+            bids, group, slot, offs, np.full(n, length, dtype=np.uint32), sums, ticks, tier,
+            st.owner_id(owner),
+        )  # fmt: skip
+        o.cols["atime"][oids] = atimes
+        st.rows_named(slot, n)
+        total = n * length
+        srv.objects += n
+        if tier:
+            srv.nvme_bytes += total
+            srv.nvme_count += n
+        if group == ns.full_group:
+            ns.full_holes -= n
+        self.live_bytes += total
+        self.group_bytes[ns.layout.group_names[group]] += total
+        if owner:
+            self.tenant_bytes[owner] += total
+        return oids
+
+    def admit(self, ns: NamespaceRecord, oids: I32) -> None:
+        """Newly added objects, for the policies that score them (once every
+        object of the put or chunk is added, so they see the final tree)."""
+        if not oids.size:
+            return
+        tiers = self.cx.objects.cols["tier"][oids]
+        for t, p in enumerate(self._policies):
+            mine = oids[tiers == t]
+            if p.events:
+                for oid in mine.tolist():
+                    p.admit(self.store.obj(oid), ns)
+            elif mine.size:  # ties of the key rank in the order given
+                self.cx.leaves.heaps[t].reseq(mine)
+
+    def record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
+        """Queue a committed DRAM object for its server's manifest (the next
+        heartbeat reply's ``adopt``). Lossless and bounded: past ``adopt_outbox``
+        waiting, the server takes no new placements until a heartbeat drains it;
+        puts placed before may still add (``adopt_overflow``)."""
+        srv = obj.server
+        out = srv.adopt_out
+        out.append((obj, ns))
+        n = len(out)
+        bound = self.cfg.adopt_outbox
+        if n == bound:
+            self.outbox_full()  # placement pauses on this server
+            self.counters["adopt_paused"] += 1
+        elif n > bound:
+            srv.adopt_overflow += 1
+            self.counters["adopt_overflow"] += 1
+
     # ---- eviction ----------------------------------------------------------------------
+
+    def candidates(self, tier: int = 0) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
+        """Evictable objects of ``tier``, store-wide, best victim first. Each is
+        taken out of the order as it is yielded: the caller evicts it, or puts it
+        back (:meth:`requeue`)."""
+        cx = self.cx
+        o, b = cx.objects.cols, cx.blocks.cols
+        pol = self._policies[tier]
+        while True:
+            oid = cx.victim(tier)
+            if oid < 0:
+                return
+            cx.leaves.take_out(oid)
+            obj = self.store.obj(oid)
+            ns = self.ns_by_id[int(b["ns"][int(o["block"][oid])])]
+            if pol.events and pol.stale(obj, ns):
+                self.rekey(np.array([oid], dtype=np.int32))
+                cx.leaves.refresh1(oid)
+                continue
+            yield obj, ns
+            o, b = cx.objects.cols, cx.blocks.cols  # (grown meanwhile)
+
+    def requeue(self, obj: ObjectRecord) -> None:
+        """A candidate taken and not evicted: back in the order (if evictable)."""
+        if obj.state == 0:
+            self.cx.leaves.refresh1(obj.oid)
 
     def evict(
         self,
@@ -169,7 +409,7 @@ class Index:
         evicted = taken = 0
         allocator = srv.allocator
         drop = self.drop
-        for obj, ns in self.policy.candidates(srv):
+        for obj, ns in self.candidates(0):
             evicted += drop(obj, ns)
             taken += 1
             if need_contiguous and allocator.largest_free() >= need_contiguous:
@@ -182,19 +422,18 @@ class Index:
 
     def drop(self, obj: ObjectRecord, ns: NamespaceRecord) -> int:
         """Evict a policy's candidate; returns the bytes that left the index."""
-        entry = obj.entry
+        bid = int(self.cx.objects.cols["block"][obj.oid])
+        group = obj.group
         evicted = 0
-        if obj.group == ns.full_group:
+        b = self.cx.blocks.cols
+        if group == ns.full_group:
             # Without its full object a block serves no match: take all of it.
-            for g, o in enumerate(entry.objects):
-                if o is not None:
-                    evicted += o.length
-                    self.evict_object(ns, entry, g)
+            for g, oid in enumerate(b["obj"][bid, : ns.layout.num_groups].tolist()):
+                if oid >= 0:
+                    evicted += self.evict_object(ns, bid, g)
         else:
-            evicted += obj.length
-            self.evict_object(ns, entry, obj.group)
-        if entry.children == 0 and not any(entry.objects):
-            self.prune(ns, entry)
+            evicted += self.evict_object(ns, bid, group)
+        self.prune(ns, bid)
         return evicted
 
     def evict_keys(
@@ -207,161 +446,197 @@ class Index:
         ns = self.namespace(fp, who)
         self.check_keys(key_list)
         evicted = refused = 0
+        b = self.cx.blocks.cols
+        n = ns.layout.num_groups
         for key in key_list:
-            entry = ns.entries.get(key)
-            if entry is None:
+            bid = ns.entries.find(key)
+            if bid < 0:
                 continue
-            for g in range(ns.layout.num_groups):
-                if not groups >> g & 1 or entry.objects[g] is None:
+            for g in range(n):
+                if not groups >> g & 1 or b["obj"][bid, g] < 0:
                     continue
                 if g == ns.full_group:
-                    if entry.children:
+                    if b["children"][bid]:
                         refused += 1
                         continue
-                    for g2 in range(len(entry.objects)):
-                        if entry.objects[g2] is not None:
-                            self.evict_object(ns, entry, g2)
+                    for g2 in range(n):
+                        if b["obj"][bid, g2] >= 0:
+                            self.evict_object(ns, bid, g2)
                             evicted += 1
                     break
-                self.evict_object(ns, entry, g)
+                self.evict_object(ns, bid, g)
                 evicted += 1
-            if key in ns.entries:
-                self.prune(ns, entry)
+            self.prune(ns, bid)
         return evicted, refused
 
-    def evict_object(self, ns: NamespaceRecord, entry: BlockEntry, g: int) -> None:
-        obj = self.unlink(ns, entry, g)
-        size = obj.length
-        srv = obj.server
+    def evict_object(self, ns: NamespaceRecord, entry: BlockEntry | int, g: int) -> int:
+        """Evict object ``g`` of a block; returns its bytes."""
+        ghost = self.unlink(ns, entry, g)
+        size = ghost.length
         counters = self.counters
         counters["evictions"] += 1
         counters["evicted_bytes"] += size
-        if obj.tier:
+        if ghost.tier:
             counters["nvme_evictions"] += 1
-        self.pol(obj).evicted(obj, ns)
-        if obj.pins > 0:
-            if obj.tier == 0:
-                srv.deferred_bytes += size
+        pol = self.pol(ghost)
+        if pol.events:
+            pol.evicted(ghost, ns)
+        if ghost.pinned:
+            if ghost.tier == 0:
+                ghost.server.deferred_bytes += size
         else:
             # A committed object's write grant was consumed (its receipt proves it):
             # its range may be re-used at once.
-            self.free_object(obj)
+            self.free_copy(ghost.server, ghost.tier, ghost.offset, size)
+        return size
 
     def unlink(
-        self, ns: NamespaceRecord, entry: BlockEntry, g: int, why: str = REMOVED_EVICTED
-    ) -> ObjectRecord:
-        """Take object ``g`` of ``entry`` out of the index and its counters. ``why``:
-        the reason told to removal subscribers; empty for an object moving between
-        tiers (still in GCache, not a removal)."""
-        obj = entry.objects[g]
-        assert obj is not None
+        self,
+        ns: NamespaceRecord,
+        entry: BlockEntry | int,
+        g: int,
+        why: str = REMOVED_EVICTED,
+    ) -> Ghost:
+        """Take object ``g`` of a block out of the index and its counters. ``why``:
+        the reason told to removal subscribers. A leased object's row stays held
+        (detached) until its last lease ends; the caller frees the range of one
+        that is not (the returned :class:`Ghost` says which)."""
+        bid = entry if isinstance(entry, int) else entry.bid
+        cx, st = self.cx, self.store
+        o = cx.objects.cols
+        oid = int(cx.blocks.cols["obj"][bid, g])
+        if oid < 0:
+            raise KeyError(f"block {bid} has no object of group {g}")
         if why and self.removals.rings:
-            self.removals.removed(ns.fingerprint, entry.key, g, why)
-        entry.objects[g] = None
-        srv = obj.server
+            self.removals.removed(ns.fingerprint, st.block(bid).key, g, why)
+        slot, tier = int(o["server"][oid]), int(o["tier"][oid])
+        srv = st.servers[slot]
+        assert srv is not None
+        pinned = bool(o["pins"][oid])
+        ghost = Ghost(
+            oid, st.block(bid), g, srv, tier, int(o["offset"][oid]), int(o["length"][oid]),
+            st.owners[int(o["owner"][oid])], float(o["score"][oid]), float(o["atime"][oid]),
+            pinned,
+        )  # fmt: skip
+        cx.remove_object(oid, prune=False)
+        if not pinned:
+            st.rows_named(slot, -1)
+        size = ghost.length
         if g == ns.full_group:
             ns.full_holes += 1
-            parent = entry.parent
-            if obj.tier == 0 and parent is not None and obj.hits != LEAVING_DRAM:
-                parent.hot -= 1
-                if parent.hot == 0:
-                    self.leaf_now(parent, ns)
-        if obj.tier:
-            srv.nvme_bytes -= obj.length
-            if srv.nvme_objects.get(obj.offset) is obj:
-                del srv.nvme_objects[obj.offset]
+        if tier:
+            srv.nvme_bytes -= size
+            srv.nvme_count -= 1
         srv.objects -= 1
-        obj.unlink()
-        size = obj.length
-        self.live_objects -= 1
         self.live_bytes -= size
         self.group_bytes[ns.layout.group_names[g]] -= size
-        if obj.owner:
-            left = self.tenant_bytes[obj.owner] - size
+        if ghost.owner:
+            left = self.tenant_bytes[ghost.owner] - size
             if left:
-                self.tenant_bytes[obj.owner] = left
+                self.tenant_bytes[ghost.owner] = left
             else:
-                del self.tenant_bytes[obj.owner]
-        obj.state = EVICTED
-        return obj
+                del self.tenant_bytes[ghost.owner]
+        self._leaf_events()
+        return ghost
 
-    def prune(self, ns: NamespaceRecord, entry: BlockEntry | None) -> None:
-        """Drop empty childless entries, walking up; tell the policy about new leaves."""
-        entries = ns.entries
-        while entry is not None and entry.children == 0 and not any(entry.objects):
-            if entries.get(entry.key) is not entry:
-                return  # already pruned
-            del entries[entry.key]
-            self.entries -= 1
-            if ns.full_group is not None:
-                ns.full_holes -= 1
-            parent = entry.parent
-            if parent is None:
-                return
-            parent.children -= 1
-            if parent.children == 0:
-                self.leaf_now(parent, ns)
-            entry = parent
+    def forget(self, ghost: Ghost) -> None:
+        """An object taken out whose bytes are gone already (its server lost them
+        or died): nothing is freed for it, now or when its last lease ends."""
+        if ghost.pinned:
+            self.store.forgotten.add(ghost.oid)
+        ghost.state = GONE
 
     # ---- pins, accesses, demotion marks: every change to them goes through here ----------
 
-    def pin(self, objs: list[ObjectRecord]) -> None:
+    def pin(self, objs: Objs) -> None:
         """A lease (or a demotion, a promotion) holds ``objs``: no eviction frees them."""
-        for obj in objs:
-            obj.pins += 1
+        oids = rows(objs)
+        if oids.size:
+            self.cx.pin(oids)
 
-    def unpin(self, objs: list[ObjectRecord], ns: NamespaceRecord, requeue: bool = True) -> None:
+    def unpin(self, objs: Objs, ns: NamespaceRecord | None = None) -> None:
         """Their holder let go. At its last pin an evicted object is freed and a live
-        one may be a candidate again (``requeue=False``: the caller moves or frees
-        it now itself, as a finished demotion or promotion does)."""
-        for obj in objs:
-            obj.pins -= 1
-            if obj.pins == 0 and requeue:
-                if obj.state == EVICTED:
-                    self.release_evicted(obj)
-                elif obj.state == LIVE:
-                    self.pol(obj).unpinned(obj, ns)
+        one may be a candidate again."""
+        oids = rows(objs)
+        if not oids.size:
+            return
+        st = self.store
+        for oid, (slot, tier, offset, length) in self.cx.unpin_rows(oids):
+            srv = st.servers[slot]
+            st.rows_named(slot, -1)
+            if oid in st.forgotten:
+                st.forgotten.discard(oid)
+                continue
+            assert srv is not None
+            if tier == 0:
+                srv.deferred_bytes -= length
+            self.free_copy(srv, tier, offset, length)
 
-    def touch(self, objs: list[ObjectRecord], ns: NamespaceRecord, now: float) -> None:
-        """A lookup read ``objs`` at ``now``: a reuse, for their tiers' policies."""
-        for obj in objs:
-            age = now - obj.last_access
-            obj.last_access = now
-            self.pol(obj).touch(obj, ns, age)
+    def touch(self, oids: I32, ns: NamespaceRecord, now: float) -> None:
+        """A lookup read ``oids`` at ``now``: a reuse, for their tiers' policies."""
+        if not oids.size:
+            return
+        o = self.cx.objects.cols
+        o["atime"][oids] = now
+        self.cx.retick(oids, self.ticks(oids))
+        for p in self._policies:
+            if p.events:
+                p.accessed(oids, ns, now)
 
     def mark_leaving(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         """A full DRAM object is being demoted: its parent stops counting it as a DRAM
         child, so it may follow in the same pass (a whole prompt at once)."""
-        parent = obj.entry.parent
-        if obj.group == ns.full_group and parent is not None:
-            obj.hits = LEAVING_DRAM
-            parent.hot -= 1
-            if parent.hot == 0:
-                self.leaf_now(parent, ns)
+        self.cx.leaving(obj.oid, True)
+        self._leaf_events()
 
     def end_leaving(self, obj: ObjectRecord) -> None:
         """A demotion failed: still indexed, it is its parent's DRAM child again."""
-        if obj.hits == LEAVING_DRAM and obj.state == LIVE and obj.entry.parent is not None:
-            obj.entry.parent.hot += 1
-        obj.hits = 0
+        if obj.state == 0 and obj.hits == LEAVING_DRAM and obj.tier == 0:
+            self.cx.leaving(obj.oid, False)
+        elif obj.state != GONE:
+            obj.hits = 0
+
+    # ---- tiers -------------------------------------------------------------------------
+
+    def move_tier(self, ns: NamespaceRecord, obj: ObjectRecord, offset: int, tier: int) -> bool:
+        """Switch the index from ``obj`` to its copy at ``offset`` in ``tier`` on the
+        same server (a finished demotion or promotion). Returns whether leases
+        still hold the old copy (its row stays, detached, and its range is freed
+        when the last one ends); else the caller frees the old range now."""
+        cx, st = self.cx, self.store
+        o = cx.objects.cols
+        oid = obj.oid
+        slot, old_tier, length = int(o["server"][oid]), int(o["tier"][oid]), int(o["length"][oid])
+        srv = st.servers[slot]
+        assert srv is not None
+        pinned = bool(o["pins"][oid])
+        new = cx.move_tier(oid, tier, offset)
+        if pinned:
+            st.rows_named(slot, 1)  # the new row; the old one stays with its leases
+        if old_tier:
+            srv.nvme_bytes -= length
+            srv.nvme_count -= 1
+        if tier:
+            srv.nvme_bytes += length
+            srv.nvme_count += 1
+        ids = np.array([new], dtype=np.int32)
+        self.rekey(ids)
+        cx.leaves.refresh1(new)
+        self._leaf_events()
+        p = self._policies[1 if tier else 0]
+        if p.events:
+            p.admit(st.obj(new), ns)
+        return pinned
 
     # ---- returning memory ----------------------------------------------------------------
 
-    def free_object(self, obj: ObjectRecord) -> None:
+    def free_copy(self, srv: ServerRecord, tier: int, offset: int, length: int) -> None:
         """Return an object's memory: a DRAM range to its allocator (and the server
         drops its record), an NVMe object to its server for deletion."""
-        obj.state = GONE
-        srv = obj.server
-        if obj.tier == 0:
-            self.free_range(srv, obj.offset, obj.length)
+        if tier == 0:
+            self.free_range(srv, offset, length)
         elif srv.alive and len(srv.drop_out) < MAX_FREED_REPORT:
-            srv.drop_out.append((obj.offset, obj.length))
-
-    def release_evicted(self, obj: ObjectRecord) -> None:
-        """The last pin of an evicted object ended: free it now."""
-        if obj.tier == 0:
-            obj.server.deferred_bytes -= obj.length
-        self.free_object(obj)
+            srv.drop_out.append((offset, length))
 
     def free_range(self, srv: ServerRecord, offset: int, length: int) -> None:
         if not srv.alive:
@@ -375,74 +650,34 @@ class Index:
         if len(srv.freed) < MAX_FREED_REPORT:
             srv.freed.append((offset, length))
 
-    # ---- index entries -----------------------------------------------------------------
+    # ---- scans (a server's objects) --------------------------------------------------------
 
-    def ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
-        entries = ns.entries
-        entry = entries.get(key_list[block])
-        if entry is not None:
-            return entry
-        # Walk back to the nearest existing ancestor, then create the chain forward.
-        start = block
-        while start > 0 and key_list[start - 1] not in entries:
-            start -= 1
-        if start == block and start > 0:  # the common case: the parent exists
-            up = entries[key_list[block - 1]]
-            entry = entries[key_list[block]] = BlockEntry(
-                key_list[block], up, block, len(up.objects)
-            )
-            up.children += 1
-            self.entries += 1
-            if ns.full_group is not None:
-                ns.full_holes += 1
-            return entry
-        parent = entries.get(key_list[start - 1]) if start > 0 else None
-        groups = ns.layout.num_groups
-        for i in range(start, block + 1):
-            entry = BlockEntry(key_list[i], parent, i, groups)
-            entries[key_list[i]] = entry
-            self.entries += 1
-            if ns.full_group is not None:
-                ns.full_holes += 1
-            if parent is not None:
-                parent.children += 1
-            parent = entry
-        assert entry is not None
-        return entry
+    def server_objects(self, srv: ServerRecord) -> I32:
+        """Rows of the live objects on ``srv`` (one vectorised scan)."""
+        if srv.slot < 0:
+            return np.empty(0, dtype=np.int32)
+        return self.cx.server_objects(srv.slot)
 
-    def count_in(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
-        """Count a newly linked object in the store-wide totals."""
-        self.live_objects += 1
-        self.live_bytes += obj.length
-        self.group_bytes[ns.layout.group_names[obj.group]] += obj.length
-        if obj.owner:
-            self.tenant_bytes[obj.owner] += obj.length
+    def drop_server_objects(self, srv: ServerRecord, why: str) -> None:
+        """Take every object of a dead server out of the index (nothing to free:
+        its memory is gone); leased ones are forgotten, not freed, when their
+        leases end."""
+        o = self.cx.objects.cols
+        for oid in self.server_objects(srv).tolist():
+            bid = int(o["block"][oid])
+            if bid < 0:
+                continue  # its block went with an earlier one of the same block
+            ns = self.ns_by_id[int(self.cx.blocks.cols["ns"][bid])]
+            ghost = self.unlink(ns, bid, int(o["group"][oid]), why)
+            self.forget(ghost)
+            self.prune(ns, bid)
+            o = self.cx.objects.cols
 
-    def count_adopted(self, created: int, objects: int, nbytes: int) -> None:
-        """Count entries and objects adopted in bulk (reported objects have no
-        tenant; their group bytes go through :meth:`add_group_bytes`)."""
-        self.entries += created
-        self.live_objects += objects
-        self.live_bytes += nbytes
-
-    def add_group_bytes(self, ns: NamespaceRecord, gbytes: list[int]) -> None:
-        """Count ``gbytes`` (bytes per group of ``ns``) and zero them."""
-        names = ns.layout.group_names
-        for g, n in enumerate(gbytes):
-            if n:
-                self.group_bytes[names[g]] += n
-                gbytes[g] = 0
-
-    def move_tier(self, ns: NamespaceRecord, obj: ObjectRecord, offset: int, tier: int) -> None:
-        """Switch the index from ``obj`` to its copy at ``offset`` in ``tier`` on the
-        same server (a finished demotion or promotion); the caller frees ``obj``."""
-        entry = obj.entry
-        self.unlink(ns, entry, obj.group, why="")  # moved, not removed
-        new = ObjectRecord(
-            entry, obj.group, obj.server, offset, obj.length, obj.sums, obj.last_access,
-            obj.owner, tier=tier,
-        )  # fmt: skip
-        new.score = obj.score
-        self.link_object(ns, entry, new)
-        self.count_in(ns, new)
-        (self.nvme_policy if tier else self.policy).admit(new, ns)
+    def detached_of(self, srv: ServerRecord) -> list[int]:
+        """Rows of ``srv``'s objects evicted while leased (their rows held)."""
+        if srv.slot < 0:
+            return []
+        o = self.cx.objects
+        n = o.rows
+        hit = (o.cols["server"][:n] == srv.slot) & (o.cols["block"][:n] == DETACHED)
+        return np.flatnonzero(hit).tolist()

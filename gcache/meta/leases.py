@@ -6,46 +6,30 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Callable
-from operator import attrgetter, itemgetter
+
+import numpy as np
+import numpy.typing as npt
 
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_NO_SPACE, Refusal
 from gcache.meta.ids import IdSource, wall_ms
 from gcache.meta.index import Index
-from gcache.meta.records import BlockEntry, Lease, NamespaceRecord, ObjectRecord
+from gcache.meta.records import Lease, NamespaceRecord, ObjectRecord
 from gcache.meta.session import LOCAL, Session
 
-_OBJECTS = attrgetter("objects")
-
+I32 = npt.NDArray[np.int32]
 
 _LEASE_IDS = IdSource()
 
 
-# Told the objects a lookup picked (after they are touched): the tiers count the
-# hits of NVMe objects for promotion.
-OnPick = Callable[[NamespaceRecord, list[ObjectRecord]], None]
+# Told the object rows a lookup picked (after they are touched): the tiers count
+# the hits of NVMe objects for promotion.
+OnPick = Callable[[NamespaceRecord, I32], None]
 
 
-def _no_pick(ns: NamespaceRecord, picked: list[ObjectRecord]) -> None:
+def _no_pick(ns: NamespaceRecord, picked: I32) -> None:
     pass
-
-
-def present_prefix(entries: dict[bytes, BlockEntry], key_list: list[bytes]) -> int:
-    """How many leading keys of ``key_list`` have an entry. Entries are prefix-closed
-    (an entry is created only under its parent, and a parent with children is never
-    dropped) and a key names its whole prefix, so presence is monotone along a
-    prompt: binary search, O(log n) dict lookups instead of n."""
-    lo, hi = 0, len(key_list)  # key_list[:lo] present; key_list[hi:] absent
-    if hi and key_list[hi - 1] in entries:
-        return hi
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if key_list[mid] in entries:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 class Leases:
@@ -69,76 +53,123 @@ class Leases:
             raise Refusal(
                 E_NO_SPACE, f"{len(session.leases)} leases held: release some before asking more"
             )
-        p = self.match(ns, req.keys, len(req.keys))
+        p, bids = self.match_blocks(ns, req.keys, len(req.keys))
         if p == 0 or not req.lease:
             return wire.LookupResult(blocks=p, tokens=p * layout.block_size)
-        chain = list(map(ns.entries.__getitem__, req.keys[:p]))
-        picked = self.pick(ns, chain, p, now)
+        picked = self.pick(ns, bids, p, now)
         lease_id = _LEASE_IDS.next(self.leases)
         expiry = now + self.cfg.lease_ttl_s
         expiry_ms = wall_ms(wall, now, expiry - GRANT_MARGIN_S)
-        index: dict[str, int] = {}
+        index: dict[int, int] = {}
         servers: list[wire.ServerAddr] = []
         locs: list[wire.ObjectLoc] = []
         self.index.pin(picked)
-        for obj in picked:
-            srv = obj.server
-            si = index.get(srv.server_id)
+        cx = self.index.cx
+        o, b = cx.objects.cols, cx.blocks.cols
+        slots = o["server"][picked].tolist()
+        offs = o["offset"][picked].tolist()
+        lens = o["length"][picked].tolist()
+        tiers = o["tier"][picked].tolist()
+        groups = o["group"][picked].tolist()
+        pos = b["pos"][o["block"][picked]].tolist()
+        sums = self._sums(picked)
+        table = self.index.store.servers
+        mint, read, Grant, Loc = capability.mint, capability.KIND_READ, wire.Grant, wire.ObjectLoc
+        for i, slot in enumerate(slots):
+            si = index.get(slot)
+            srv = table[slot]
+            assert srv is not None
             if si is None:
-                si = index[srv.server_id] = len(servers)
+                si = index[slot] = len(servers)
                 servers.append(srv.addr)
             # The grant says the tier (an NVMe object is read over TCP from the
             # server's tier) and carries this meta's epoch; the tag covers both.
             ep = srv.grant_epoch
-            tag = capability.mint(
-                srv.secret, capability.KIND_READ, obj.offset, obj.length, expiry_ms, obj.tier, ep
+            off, ln, tier = offs[i], lens[i], tiers[i]
+            tag = mint(srv.secret, read, off, ln, expiry_ms, tier, ep)
+            locs.append(
+                Loc(pos[i], groups[i], si, Grant(off, ln, expiry_ms, tag, tier, ep), sums[i])
             )
-            grant = wire.Grant(obj.offset, obj.length, expiry_ms, tag, obj.tier, ep)
-            locs.append(wire.ObjectLoc(obj.entry.pos, obj.group, si, grant, obj.sums))
-        self.leases[lease_id] = Lease(lease_id, ns, picked, expiry, session)
+        self.leases[lease_id] = Lease(lease_id, ns, picked, expiry, session, self.index.store)
         session.leases.add(lease_id)
         heapq.heappush(self._lease_heap, (expiry, lease_id))
         c = self.counters
         c["leases_granted"] += 1
-        c["leased_objects"] += len(picked)
-        c["leased_bytes"] += sum(obj.length for obj in picked)
+        c["leased_objects"] += len(slots)
+        c["leased_bytes"] += sum(lens)
         return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
+
+    def _sums(self, oids: I32) -> list[bytes]:
+        """Each object's checksums, read per checksum width as one block of bytes."""
+        cx = self.index.cx
+        o = cx.objects.cols
+        widths = o["sums_len"][oids]
+        slots = o["sums_slot"][oids]
+        out: list[bytes] = [b""] * len(oids)
+        for w in np.unique(widths).tolist():
+            if not w:
+                continue
+            at = np.flatnonzero(widths == w)
+            blob = cx.sums_slabs.slabs[w].cols["s"][slots[at]].tobytes()
+            for k, i in enumerate(at.tolist()):
+                out[i] = blob[k * w : (k + 1) * w]
+        return out
 
     def match(self, ns: NamespaceRecord, key_list: list[bytes], limit: int) -> int:
         """Longest valid match (blocks) among the first ``limit`` keys."""
-        entries = ns.entries
+        return self.match_blocks(ns, key_list, limit)[0]
+
+    def match_blocks(
+        self, ns: NamespaceRecord, key_list: list[bytes], limit: int
+    ) -> tuple[int, I32]:
+        """:meth:`match`, and the block ids of the keys it looked at."""
         keys_ = key_list[:limit] if limit < len(key_list) else key_list
-        n = present_prefix(entries, keys_)
+        cx = self.index.cx
+        bids = cx.find_keys(ns.ns_id, keys_) if keys_ else np.empty(0, dtype=np.int32)
+        gaps = np.flatnonzero(bids < 0)
+        n = int(gaps[0]) if gaps.size else len(keys_)
         fg = ns.full_group
-        if fg is not None and ns.full_holes and n:
-            # Some entry lacks its full object: find the first such on this chain.
-            fulls = list(map(itemgetter(fg), map(_OBJECTS, map(entries.__getitem__, keys_[:n]))))
-            if None in fulls:
-                n = fulls.index(None)
+        obj = cx.blocks.cols["obj"]
+        if fg is not None and n:
+            # Entries are prefix-closed; a full object missing ends the match there.
+            holes = np.flatnonzero(obj[bids[:n], fg] < 0)
+            if holes.size:
+                n = int(holes[0])
         layout = ns.layout
-        p = layout.valid_match(n, lambda j, g: entries[keys_[j]].objects[g] is not None)
+        rows = obj[bids[:n]] if n else obj[:0]
+        p = layout.valid_match(n, lambda j, g: bool(rows[j, g] >= 0))
         c = self.counters
         c["lookups"] += 1
         c["lookup_blocks"] += limit
         c["hit_blocks"] += p
         c["hit_tokens"] += p * layout.block_size
-        return p
+        return p, bids
 
-    def pick(
-        self, ns: NamespaceRecord, chain: list[BlockEntry], p: int, now: float
-    ) -> list[ObjectRecord]:
-        """The objects a match of ``p`` blocks reads, touched (a reuse) for the policy,
-        then shown to ``on_pick``."""
-        picked: list[ObjectRecord] = []
+    def pick(self, ns: NamespaceRecord, bids: I32, p: int, now: float) -> I32:
+        """The object rows a match of ``p`` blocks reads (group by group, block by
+        block), touched (a reuse) for the policy, then shown to ``on_pick``."""
         layout = ns.layout
+        obj = self.index.cx.blocks.cols["obj"]
+        parts = []
         for g in range(layout.num_groups):
-            for j in layout.window_blocks(g, p):
-                obj = chain[j].objects[g]
-                assert obj is not None
-                picked.append(obj)
+            w = layout.window_blocks(g, p)
+            if len(w):
+                parts.append(obj[bids[w.start : w.stop], g])
+        picked = np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32)
+        assert not (picked < 0).any()
         self.index.touch(picked, ns, now)
         self.on_pick(ns, picked)
         return picked
+
+    def pick_keys(
+        self, ns: NamespaceRecord, key_list: list[bytes], p: int, now: float
+    ) -> list[ObjectRecord]:
+        """:meth:`pick` for the first ``p`` keys of a prompt, as handles (in-process
+        drivers: the replayer)."""
+        if not p:
+            return []
+        bids = self.index.cx.find_keys(ns.ns_id, key_list[:p])
+        return [self.index.obj(oid) for oid in self.pick(ns, bids, p, now).tolist()]
 
     def release(self, lease_id: int, session: Session = LOCAL) -> bool:
         """End a lease ``session`` holds; another session's lease is left alone."""
@@ -154,7 +185,7 @@ class Leases:
     def _end_lease(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
         lease.owner.leases.discard(lease.lease_id)
-        self.index.unpin(lease.objects, lease.ns)
+        self.index.unpin(lease.oids, lease.ns)
 
     def end_session(self, session: Session) -> None:
         """Release the leases of a closed session."""

@@ -21,7 +21,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from gcache.meta.rowtable import RowTable, unique_ids
+from gcache.meta.rowtable import RowTable
 from gcache.meta.tickheap import TickHeap
 
 I32 = npt.NDArray[np.int32]
@@ -92,7 +92,10 @@ class Leaves:
         """:meth:`refresh1` for many objects (-1 entries ignored), vectorised."""
         if self.bulk or not oids.size:
             return
-        oids = unique_ids(oids[oids >= 0])
+        oids = oids[oids >= 0]
+        if oids.size > 1:  # each once, in the order given (their pushes' order)
+            _, first = np.unique(oids, return_index=True)
+            oids = oids[np.sort(first)]
         if oids.size <= 4:
             for oid in oids.tolist():
                 self.refresh1(oid)

@@ -10,7 +10,7 @@ from gcache import wire
 from gcache.config import MetaConfig
 from gcache.meta.events import SERVER_LOST
 from gcache.meta.index import Index
-from gcache.meta.records import GONE, ObjectRecord, ServerRecord
+from gcache.meta.records import ServerRecord
 
 
 class Membership:
@@ -75,24 +75,17 @@ class Membership:
         return rec, True
 
     def drop_server(self, rec: ServerRecord, reason: str) -> None:
-        """A server died or restarted: its DRAM is gone, so are its objects. Walks
-        that server's own objects (its rings), never the rest of the index."""
+        """A server died or restarted: its DRAM is gone, so are its objects (found by
+        one vectorised scan of the index's server column)."""
         if not rec.alive:
             return
         rec.alive = False
         self._live = None
         self.counters["servers_dropped"] += 1
         index = self.index
-        for ns_id, ring in rec.rings.items():
-            ns = index.ns_by_id[ns_id]
-            while ring.next_on is not ring:
-                obj = ring.next_on
-                assert isinstance(obj, ObjectRecord)
-                entry = obj.entry
-                index.unlink(ns, entry, obj.group, SERVER_LOST)  # also off the ring
-                obj.state = GONE
-                index.prune(ns, entry)
-        rec.rings.clear()
+        index.drop_server_objects(rec, SERVER_LOST)
+        if rec.slot >= 0:
+            index.store.rows_named(rec.slot, 0)  # its slot goes once no row names it
         rec.demoting.clear()
         rec.adopt_out.clear()
         rec.demote_out.clear()
@@ -101,8 +94,6 @@ class Membership:
         rec.parked.clear()
         if self.servers.get(rec.server_id) is rec:
             del self.servers[rec.server_id]
-        index.policy.forget_server(rec)
-        index.nvme_policy.forget_server(rec)
 
     def stalled(self, seconds: float) -> None:
         """The meta itself was not listening for ``seconds``: the servers get that

@@ -65,7 +65,7 @@ def render(
         "gcache_server_fragmentation": lambda s: s.allocator.stats()["fragmentation"],
         "gcache_server_nvme_capacity_bytes": lambda s: s.nvme_capacity,
         "gcache_server_nvme_used_bytes": lambda s: s.nvme_bytes,
-        "gcache_server_nvme_objects": lambda s: len(s.nvme_objects),
+        "gcache_server_nvme_objects": lambda s: s.nvme_count,
         "gcache_server_demotions_in_flight": lambda s: len(s.demoting),
     }
     for metric, get in per_server.items():

@@ -92,13 +92,11 @@ class Placement:
         drivers."""
         if budget is None:
             budget = Budget()
-        entries = ns.entries
         fg = ns.full_group
         branch = 0  # how far the prompt follows blocks with their full object cached
         if fg is not None:
-            for key in key_list:
-                e = entries.get(key)
-                if e is None or e.objects[fg] is None:
+            for objs in ns.entries.stored(key_list):
+                if objs[fg] < 0:
                     break
                 branch += 1
         checkpoints: list[int] = []
@@ -147,7 +145,7 @@ class Placement:
     ) -> tuple[int, int]:
         """Allocate every object ``masks`` asks for from block ``start`` that is
         neither stored nor in ``placed`` yet. Returns (already stored, no space)."""
-        entries = ns.entries
+        stored = ns.entries.stored(key_list)
         sizes = ns.layout.group_object_bytes
         have = {(p[0], p[1]) for p in placed} if placed else None
         deduped = no_space = 0
@@ -159,11 +157,11 @@ class Placement:
             mask = masks[i]
             if not mask:
                 continue
-            entry = entries.get(key_list[i])
+            objs = stored[i]
             g = 0
             while mask:
                 if mask & 1 and (have is None or (i, g) not in have):
-                    if entry is not None and entry.objects[g] is not None:
+                    if objs[g] >= 0:
                         deduped += 1
                     elif sizes[g] > budget.alloc:
                         no_space += 1  # past the put's bounds: nothing evicted for it
@@ -196,14 +194,11 @@ class Placement:
         if interval <= 0:
             return []
         dense = self._below_low_watermark()
-        entries = ns.entries
+        stored = ns.entries.stored(key_list)
         out = []
         for c in layout.checkpoint_positions(len(key_list), branch, first, interval, dense):
             for g, t in ns.windowed:
-                if any(
-                    (e := entries.get(key_list[j])) is None or e.objects[g] is None
-                    for j in range(max(0, c - t), c)
-                ):
+                if any(stored[j][g] < 0 for j in range(max(0, c - t), c)):
                     out.append(c)
                     break
         return out

@@ -8,9 +8,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
+import numpy.typing as npt
+
 from gcache.config import MetaConfig
 from gcache.meta.index import Index
-from gcache.meta.records import EVICTED, LIVE, NamespaceRecord, ObjectRecord, ServerRecord
+from gcache.meta.records import LIVE, NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.tiers import MAX_PROMOTIONS_IN_FLIGHT, PROMOTING, Promotion, held
 
 
@@ -28,16 +31,20 @@ class Promoter:
         # Makes DRAM room as a put's watermark does (``Tiers.demote_or_drop``).
         self.demote_or_drop = demote_or_drop
 
-    def on_pick(self, ns: NamespaceRecord, picked: list[ObjectRecord]) -> None:
-        """A lookup read ``picked``: count the hits of NVMe objects for promotion
-        (``Leases``' pick hook)."""
+    def on_pick(self, ns: NamespaceRecord, picked: npt.NDArray[np.int32]) -> None:
+        """A lookup read the object rows ``picked``: count the hits of NVMe objects
+        for promotion (``Leases``' pick hook)."""
         need = self.cfg.promotion_hits
-        if need > 0:
-            for obj in picked:
-                if obj.tier and obj.hits != PROMOTING:
-                    obj.hits += 1
-                    if obj.hits >= need:
-                        self._promote(obj, ns)
+        if need <= 0:
+            return
+        o = self.index.cx.objects.cols
+        nvme = picked[o["tier"][picked] != 0]
+        for oid in nvme.tolist():
+            obj = self.index.obj(oid)
+            if obj.tier and obj.hits != PROMOTING:
+                obj.hits += 1
+                if obj.hits >= need:
+                    self._promote(obj, ns)
 
     def _promote(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
         """Allocate a DRAM range on ``obj``'s server and ask the server to copy the
@@ -104,11 +111,10 @@ class Promoter:
             c["promotions_failed" if not done.ok else "promotions_void"] += 1
             self.index.unpin([obj], ns)
             return
-        self.index.unpin([obj], ns, requeue=False)
-        self.index.move_tier(ns, obj, done.dram_offset, 0)
-        if obj.pins:
-            obj.state = EVICTED  # its NVMe copy is deleted when the last lease ends
-        else:
-            self.index.free_object(obj)  # drop_nvme in the next reply
+        self.index.unpin([obj], ns)
+        nvme_offset = obj.offset
+        # Leases still reading the NVMe copy keep it: deleted when the last ends.
+        if not self.index.move_tier(ns, obj, done.dram_offset, 0):
+            self.index.free_copy(srv, 1, nvme_offset, length)  # drop_nvme in the next reply
         c["promotions_done"] += 1
         c["promoted_bytes"] += length

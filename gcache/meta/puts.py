@@ -8,6 +8,8 @@ import heapq
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
+
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_PUT, Refusal
@@ -15,14 +17,7 @@ from gcache.meta.ids import new_id, wall_ms
 from gcache.meta.index import Index
 from gcache.meta.membership import Membership
 from gcache.meta.placement import UNBOUNDED, Budget, Placement
-from gcache.meta.records import (
-    BlockEntry,
-    NamespaceRecord,
-    ObjectRecord,
-    PendingPut,
-    Placed,
-    ServerRecord,
-)
+from gcache.meta.records import NamespaceRecord, PendingPut, Placed, ServerRecord
 from gcache.meta.session import LOCAL, Session
 
 
@@ -224,50 +219,67 @@ class Puts:
         object when its bound write grant was consumed, before the receipt.
         Returns the objects committed."""
         layout = ns.layout
-        entries = ns.entries
-        objs: list[ObjectRecord] = []
+        index = self.index
         touched: dict[str, ServerRecord] = {}
-        added = [0] * layout.num_groups
+        keep: list[tuple[int, int, ServerRecord, int, int, bytes]] = []
         last = -1
-        entry: BlockEntry | None = None
         for pi, (block, g, srv, off, size) in enumerate(placements):
             obj_sums = b"" if done is None else done.get(pi)
             if obj_sums is None or not srv.alive:
                 self._put_back(srv, off, size, hold_until)
                 continue
-            if block != last or entry is None:  # placements come block by block
-                got = entries.get(key_list[block])
-                entry = got if got is not None else self.index.ensure_entry(ns, key_list, block)
-                last = block
-            if entry.objects[g] is not None:  # a concurrent put committed it first
+            keep.append((block, g, srv, off, size, obj_sums))
+            last = max(last, block)
+        if not keep:
+            self.counters["puts_committed"] += 1
+            return 0
+        bids = index.ensure_chain(ns, key_list[: last + 1])
+        obj = index.cx.blocks.cols["obj"]
+        # Batches per (group, server); each object keeps its place in the put
+        # (block by block: the order the policy admits them in).
+        batches: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
+        servers: dict[str, ServerRecord] = {}
+        n = 0
+        for block, g, srv, off, size, _ in keep:
+            bid = int(bids[block])
+            if obj[bid, g] >= 0:  # a concurrent put committed it first
                 self._put_back(srv, off, size, hold_until)
                 self.counters["objects_deduped"] += 1
                 continue
-            obj = ObjectRecord(entry, g, srv, off, size, obj_sums, now, owner)
-            self.index.link_object(ns, entry, obj)
-            if record:
-                self.index.record(ns, obj)
-            added[g] += size
-            objs.append(obj)
+            batches.setdefault((g, srv.server_id), []).append((bid, off, n))
+            n += 1
+            servers[srv.server_id] = srv
             touched[srv.server_id] = srv
-        total = 0
-        for g, size in enumerate(added):
-            if size:
-                total += size
-                self.index.group_bytes[layout.group_names[g]] += size
-        self.index.live_bytes += total
-        if owner and total:
-            self.index.tenant_bytes[owner] += total
-        # Admit once everything is linked, so the policy sees the final tree.
-        admit = self.index.policy.admit
-        for obj in objs:
-            admit(obj, ns)
-        self.index.live_objects += len(objs)
+        oids = np.empty(n, dtype=np.int32)
+        sums_of = {(int(bids[b]), g): sm for b, g, _, _, _, sm in keep}
+        for (g, sid), items in batches.items():
+            srv = servers[sid]
+            width = len(sums_of[(items[0][0], g)])
+            rows = np.frombuffer(
+                b"".join(sums_of[(bid, g)] for bid, _, _ in items), dtype=np.uint8
+            ).reshape(len(items), width)
+            got = index.add_objects(
+                ns,
+                np.fromiter((bid for bid, _, _ in items), np.int32, len(items)),
+                g,
+                srv,
+                [off for _, off, _ in items],
+                layout.group_object_bytes[g],
+                rows,
+                np.full(len(items), now),
+                owner,
+            )
+            oids[[i for _, _, i in items]] = got
+        if record:
+            for oid in oids.tolist():
+                index.record(ns, index.obj(oid))
+        # Admit once everything is added, so the policy sees the final tree.
+        index.admit(ns, oids)
         self.counters["puts_committed"] += 1
-        self.counters["objects_committed"] += len(objs)
+        self.counters["objects_committed"] += len(oids)
         for srv in touched.values():
             self.check_watermark(srv)
-        return len(objs)
+        return len(oids)
 
     def _put_back(self, srv: ServerRecord, off: int, size: int, hold_until: float | None) -> None:
         if hold_until is None:

@@ -1,19 +1,32 @@
-"""The meta's per-block, per-object, per-server and per-lease records.
+"""The meta's per-namespace, per-server, per-put and per-lease records.
 
-Compact on purpose (``__slots__``, no per-object dicts): the index of a fleet holds
-tens of millions of objects. A :class:`BlockEntry` is one keyed block of one
-namespace with a parent link; it holds at most one :class:`ObjectRecord` per layout
-group. Counters are maintained incrementally, never by rescanning.
+Blocks and objects are rows of the compact index (``meta/compact.py``), read
+through the handles of ``meta/handles.py`` (:class:`BlockEntry`,
+:class:`ObjectRecord`, re-exported here): a fleet's index holds tens of millions
+of them, so none has a Python object of its own. Counters are maintained
+incrementally, never by rescanning.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from gcache import wire
 from gcache.layout import Layout
+from gcache.meta.handles import (
+    EVICTED,
+    GONE,
+    LIVE,
+    BlockEntry,
+    Entries,
+    ObjectRecord,
+    Store,
+    kids,
+)
 from gcache.storage.allocator import SegmentAllocator
 from gcache.storage.columns import Columns
 from gcache.storage.record import StoredRecord
@@ -21,118 +34,24 @@ from gcache.storage.record import StoredRecord
 if TYPE_CHECKING:
     from gcache.meta.session import Session
 
-LIVE: Final = 0  # in the index, readable
-EVICTED: Final = 1  # out of the index, memory held until its leases end
-GONE: Final = 2  # memory freed (or its server died)
-
-
-class RingNode:
-    """A node of a server's ring of live objects (one ring per namespace): dropping a
-    server walks its own objects only, never the whole index."""
-
-    __slots__ = ("next_on", "prev_on")
-
-    def __init__(self) -> None:
-        self.prev_on: RingNode = self
-        self.next_on: RingNode = self
-
-    def link(self, node: RingNode) -> None:
-        """Insert ``node`` after this one."""
-        nxt = self.next_on
-        node.prev_on = self
-        node.next_on = nxt
-        nxt.prev_on = node
-        self.next_on = node
-
-    def unlink(self) -> None:
-        self.prev_on.next_on = self.next_on
-        self.next_on.prev_on = self.prev_on
-        # Not a self-loop: an object out of its ring is in no reference cycle, so
-        # reference counting frees it (the rebuilt index is frozen out of the cyclic
-        # collector, see meta/control.py GcPause).
-        self.prev_on = self.next_on = DETACHED
-
-
-DETACHED = RingNode()  # where an unlinked node points
-
-
-class ObjectRecord(RingNode):
-    __slots__ = (
-        "entry",
-        "group",
-        "hits",
-        "last_access",
-        "length",
-        "offset",
-        "owner",
-        "pins",
-        "score",
-        "server",
-        "state",
-        "sums",
-        "tier",
-    )
-
-    def __init__(
-        self,
-        entry: BlockEntry,
-        group: int,
-        server: ServerRecord,
-        offset: int,
-        length: int,
-        sums: bytes,
-        now: float,
-        owner: str = "",
-        tier: int = 0,
-    ) -> None:
-        self.prev_on = self.next_on = DETACHED  # not in a ring yet (no reference cycle)
-        self.entry = entry
-        self.group = group
-        self.server = server
-        self.offset = offset
-        self.length = length
-        self.sums = sums
-        self.pins = 0
-        self.state = LIVE
-        self.hits = 0  # leased reads while on NVMe (promotion; -1: being promoted)
-        self.last_access = now
-        self.owner = owner  # the tenant whose quota the bytes count against
-        # The eviction policy's own figure for this object (the cost policy keeps
-        # log(value per byte) here, so a touch re-keys it without recomputing).
-        self.score = 0.0
-        # 0: in the server's DRAM segment (``offset`` is a segment offset); 1: on its
-        # NVMe tier (``offset`` is the tier address the server chose).
-        self.tier = tier
-
-    def __repr__(self) -> str:
-        return (
-            f"ObjectRecord(pos={self.entry.pos}, group={self.group}, tier={self.tier}, "
-            f"server={self.server.server_id}, offset={self.offset}, length={self.length}, "
-            f"pins={self.pins}, state={self.state})"
-        )
-
-
-# Block positions as shared int objects: an entry's own ``pos`` past 256 would be an
-# int of its own (32 B a block at fleet scale).
-_POS_INTS: Final = list(range(1 << 16))
-
-
-class BlockEntry:
-    __slots__ = ("children", "hot", "key", "objects", "parent", "pos")
-
-    def __init__(self, key: bytes, parent: BlockEntry | None, pos: int, groups: int) -> None:
-        self.key = key
-        self.parent = parent
-        self.pos = _POS_INTS[pos] if pos < 65536 else pos
-        self.children = 0
-        # Children whose full object is in DRAM (tier 0): a DRAM full object may be
-        # demoted or dropped once none is (its other children are on NVMe, where a
-        # match still reads them through this block's NVMe copy).
-        self.hot = 0
-        self.objects: list[ObjectRecord | None] = [None] * groups
-
-    def empty(self) -> bool:
-        return not any(self.objects)
+__all__ = [
+    "EVICTED",
+    "GONE",
+    "LIVE",
+    "BlockEntry",
+    "Entries",
+    "Lease",
+    "NamespaceRecord",
+    "ObjectRecord",
+    "Parked",
+    "ParkedChunk",
+    "PendingPut",
+    "Placed",
+    "Plan",
+    "ServerRecord",
+    "group_layer_bytes",
+    "kids",
+]
 
 
 class NamespaceRecord:
@@ -149,13 +68,18 @@ class NamespaceRecord:
     )
 
     def __init__(
-        self, ns_id: int, fingerprint: bytes, layout: Layout, descriptor: dict[str, object]
+        self,
+        ns_id: int,
+        fingerprint: bytes,
+        layout: Layout,
+        descriptor: dict[str, object],
+        entries: Entries,
     ):
         self.ns_id = ns_id
         self.fingerprint = fingerprint
         self.layout = layout
         self.descriptor = descriptor
-        self.entries: dict[bytes, BlockEntry] = {}
+        self.entries = entries  # its blocks by key (the index's key map)
         tails = layout.group_tail_blocks
         self.full_group: int | None = tails.index(None) if None in tails else None
         # Entries whose full object is missing (created empty, or their full object
@@ -175,12 +99,6 @@ def group_layer_bytes(layout: Layout, group: int) -> tuple[int, ...]:
     are all equal (the server splits an object of n checksums into n equal layers
     unless its record says otherwise; ``StoredObject.layer_bytes``)."""
     return layout.group_layer_bytes[group]
-
-
-def kids(obj: ObjectRecord) -> int:
-    """Children that keep ``obj``'s block from being a leaf in its tier: for a DRAM
-    object those with a DRAM full object, for an NVMe one every child."""
-    return obj.entry.hot if obj.tier == 0 else obj.entry.children
 
 
 class ServerRecord:
@@ -207,7 +125,7 @@ class ServerRecord:
         "last_seen",
         "nvme_bytes",
         "nvme_capacity",
-        "nvme_objects",
+        "nvme_count",
         "nvme_read_gbps",
         "nvme_used_reported",
         "nvme_write_gbps",
@@ -222,9 +140,9 @@ class ServerRecord:
         "recent_at",
         "recent_write",
         "reported",
-        "rings",
         "secret",
         "server_id",
+        "slot",
     )
 
     def __init__(
@@ -253,16 +171,15 @@ class ServerRecord:
         # their write grants expired (see MetaCore's quarantine).
         self.pending_bytes = 0
         self.quarantined_bytes = 0
-        # Live objects of this server, one ring per namespace id (a sentinel node).
-        self.rings: dict[int, RingNode] = {}
+        # Its number in the index's columns (-1: none yet; gcache/meta/handles.py).
+        self.slot = -1
         # -- tiers and restarts (gcache/meta/tiers.py, rebuild.py) --
         self.nvme_capacity = 0
         self.dram_read_gbps = 0.0
         self.nvme_read_gbps = 0.0
         self.nvme_write_gbps = 0.0
         self.nvme_bytes = 0  # NVMe objects in the index plus demotions in flight
-        # NVMe address -> object: for objects the server reports lost.
-        self.nvme_objects: dict[int, ObjectRecord] = {}
+        self.nvme_count = 0  # NVMe objects in the index
         self.nvme_used_reported = 0  # what the server says its tier holds
         # While the server's report is not complete: its reported DRAM objects by
         # offset (the allocator is built from them at the end); None once complete.
@@ -304,12 +221,6 @@ class ServerRecord:
     def ready(self) -> bool:
         """The server's report is complete: new data may be placed on it."""
         return self.reported is None
-
-    def ring(self, ns_id: int) -> RingNode:
-        r = self.rings.get(ns_id)
-        if r is None:
-            r = self.rings[ns_id] = RingNode()
-        return r
 
     @property
     def reclaimable_used(self) -> int:
@@ -368,21 +279,28 @@ class PendingPut:
 
 
 class Lease:
-    __slots__ = ("expiry", "lease_id", "ns", "objects", "owner")
+    __slots__ = ("expiry", "lease_id", "ns", "oids", "owner", "st")
 
     def __init__(
         self,
         lease_id: int,
         ns: NamespaceRecord,
-        objects: list[ObjectRecord],
+        oids: np.ndarray,
         expiry: float,
         owner: Session,
+        st: Store,
     ) -> None:
         self.lease_id = lease_id
         self.ns = ns
-        self.objects = objects
+        self.oids = oids  # the object rows it pins (int32)
         self.expiry = expiry
         self.owner = owner  # only this session may release it
+        self.st = st
+
+    @property
+    def objects(self) -> list[ObjectRecord]:
+        """Its objects as handles (tests, admin)."""
+        return [self.st.obj(oid) for oid in self.oids.tolist()]
 
 
 class Parked(StoredRecord):

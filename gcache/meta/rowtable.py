@@ -29,11 +29,19 @@ def unique_ids(ids: I32) -> I32:
 
 class RowTable:
     """``spec``: column name -> (dtype, width; 0 for a 1-D column); ``fill``: the
-    value a column takes in every row handed out (others are left as they were)."""
+    value a column takes in every row handed out (others are left as they were);
+    ``init``: the value a column takes in a row handed out for the first time
+    (a generation count, kept across reuse)."""
 
-    def __init__(self, spec: dict[str, tuple[str, int]], fill: dict[str, int]) -> None:
+    def __init__(
+        self,
+        spec: dict[str, tuple[str, int]],
+        fill: dict[str, int],
+        init: dict[str, int] | None = None,
+    ) -> None:
         self.spec = spec
         self.fill = fill
+        self.init = init or {}
         self.cap = 0
         self.rows = 0  # high-water mark of row ids handed out
         self.free = np.empty(0, dtype=np.int32)
@@ -62,10 +70,22 @@ class RowTable:
         if self.rows + more > self.cap:
             self._grow(max(2 * self.cap, self.rows + more))
         ids[reuse:] = np.arange(self.rows, self.rows + more, dtype=np.int32)
+        for name, value in self.init.items():
+            self.cols[name][self.rows : self.rows + more] = value
         self.rows += more
         for name, value in self.fill.items():
             self.cols[name][ids] = value
         return ids
+
+    def widen(self, name: str, width: int, value: int) -> None:
+        """Column ``name`` (2-D) grows to ``width`` per row, new cells ``value``."""
+        dtype, old = self.spec[name]
+        if width <= old:
+            return
+        new = np.full((self.cap, width), value, dtype=dtype)
+        new[: self.rows, :old] = self.cols[name][: self.rows]
+        self.cols[name] = new
+        self.spec[name] = (dtype, width)
 
     def give(self, ids: I32) -> None:
         """Row ids back to the free stack."""

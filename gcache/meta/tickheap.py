@@ -1,6 +1,8 @@
 """An indexed binary min-heap of row ids keyed by a ``uint64`` tick column of a
 :class:`~gcache.meta.rowtable.RowTable` (the compact index's eviction order: the
-least recently used evictable object at the top). Each row's place in the heap is
+least recently used evictable object at the top), ties broken by the ``hseq``
+column: the order rows were pushed or re-keyed in (as a lazy heap of (key,
+sequence) items would rank them). Each row's place in the heap is
 kept in its ``hpos`` column (-1: not in the heap), so a touched or removed row is
 re-sifted or taken out in O(log n). A large batch goes in by one sort (a sorted
 array is a heap). A sift runs in C over the same arrays when the native kernels
@@ -20,7 +22,8 @@ I32 = npt.NDArray[np.int32]
 
 class TickHeap:
     def __init__(self, rows: RowTable, native: bool = True) -> None:
-        self.rows = rows  # has "tick" (uint64) and "hpos" (int32, filled -1) columns
+        self.rows = rows  # has "tick", "hseq" (uint64) and "hpos" (int32, filled -1) columns
+        self.seq = 0  # the next push's (or re-key's) sequence number
         self.heap = np.empty(MIN_ROWS, dtype=np.int32)
         self.size = 0
         self.kernels = INDEX_KERNELS if native else None
@@ -30,7 +33,7 @@ class TickHeap:
         k = self.kernels
         if k is not None:
             c = self.rows.cols
-            k.heap_sift(self.heap, c["tick"], c["hpos"], self.size, i)
+            k.heap_sift(self.heap, c["tick"], c["hseq"], c["hpos"], self.size, i)
             return
         item = int(self.heap[i])
         self._sift_up(i)
@@ -41,6 +44,11 @@ class TickHeap:
         return int(self.heap[0]) if self.size else -1
 
     def push(self, row: int) -> None:
+        self.rows.cols["hseq"][row] = self.seq
+        self.seq += 1
+        self._push(row)
+
+    def _push(self, row: int) -> None:
         if self.size == self.heap.size:
             grown = np.empty(2 * self.heap.size, dtype=np.int32)
             grown[: self.size] = self.heap[: self.size]
@@ -53,12 +61,15 @@ class TickHeap:
     def push_many(self, rows: I32, sort: bool = False) -> None:
         """Push ``rows``: one by one, or (``sort``, or a batch past an eighth of the
         heap) by sorting everything by tick."""
+        c = self.rows.cols
+        c["hseq"][rows] = np.arange(self.seq, self.seq + rows.size, dtype=np.uint64)
+        self.seq += rows.size
         if not sort and rows.size <= max(1024, self.size // 8):
-            for row in rows:
-                self.push(int(row))
+            for row in rows.tolist():
+                self._push(row)
             return
         items = np.concatenate([self.heap[: self.size], rows])
-        items = items[np.argsort(self.rows.cols["tick"][items], kind="stable")]
+        items = items[np.lexsort((c["hseq"][items], c["tick"][items]))]
         if items.size > self.heap.size:
             self.heap = np.empty(max(2 * self.heap.size, items.size), dtype=np.int32)
         self.heap[: items.size] = items
@@ -79,17 +90,32 @@ class TickHeap:
         self._fix(i)
 
     def rekey(self, row: int) -> None:
-        """``row``'s tick changed: restore the heap order around it."""
+        """``row``'s tick changed (or it was used again): it ranks after every row
+        of its tick pushed before; restore the heap order around it."""
+        self.rows.cols["hseq"][row] = self.seq
+        self.seq += 1
         self._fix(int(self.rows.cols["hpos"][row]))
 
+    def reseq(self, rows: I32) -> None:
+        """Rows in the heap rank, among equal ticks, in the order given (after
+        every row pushed before): a batch admitted out of its order."""
+        hpos = self.rows.cols["hpos"]
+        for row in rows[hpos[rows] >= 0].tolist():
+            self.rekey(row)
+
+    def _key(self, row: int) -> tuple[int, int]:
+        c = self.rows.cols
+        return int(c["tick"][row]), int(c["hseq"][row])
+
     def _sift_up(self, i: int) -> None:
-        heap, tick, hpos = self.heap, self.rows.cols["tick"], self.rows.cols["hpos"]
+        heap, hpos = self.heap, self.rows.cols["hpos"]
+        key = self._key
         item = int(heap[i])
-        key = tick[item]
+        mine = key(item)
         while i:
             up = (i - 1) >> 1
             above = int(heap[up])
-            if tick[above] <= key:
+            if key(above) <= mine:
                 break
             heap[i] = above
             hpos[above] = i
@@ -98,18 +124,19 @@ class TickHeap:
         hpos[item] = i
 
     def _sift_down(self, i: int) -> None:
-        heap, tick, hpos = self.heap, self.rows.cols["tick"], self.rows.cols["hpos"]
+        heap, hpos = self.heap, self.rows.cols["hpos"]
+        key = self._key
         n = self.size
         item = int(heap[i])
-        key = tick[item]
+        mine = key(item)
         while True:
             c = 2 * i + 1
             if c >= n:
                 break
-            if c + 1 < n and tick[heap[c + 1]] < tick[heap[c]]:
+            if c + 1 < n and key(int(heap[c + 1])) < key(int(heap[c])):
                 c += 1
             child = int(heap[c])
-            if tick[child] >= key:
+            if key(child) >= mine:
                 break
             heap[i] = child
             hpos[child] = i

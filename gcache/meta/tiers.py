@@ -47,7 +47,6 @@ from gcache.config import MetaConfig
 from gcache.meta.index import Index
 from gcache.meta.placement import Budget, evict_room
 from gcache.meta.records import (
-    GONE,
     LIVE,
     NamespaceRecord,
     ObjectRecord,
@@ -183,7 +182,7 @@ class Tiers:
         moved = taken = 0
         limit = srv.allocator.capacity
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
-        for obj, ns in self.index.policy.candidates(srv):
+        for obj, ns in self.index.candidates(0):
             taken += 1
             why = self._leaving(obj, ns)
             if why == DEMOTE:
@@ -199,8 +198,8 @@ class Tiers:
                 moved += self._drop(obj, ns, why)
             if srv.reclaimable_used <= target_used or moved >= limit or taken >= max_objects:
                 break
-        for obj, ns in held:  # popped from the policy's order: back in it
-            self.index.policy.unpinned(obj, ns)
+        for obj, _ in held:  # popped from the policy's order: back in it
+            self.index.requeue(obj)
         return moved, taken
 
     def _demote_ahead(self, srv: ServerRecord, target_used: int) -> int:
@@ -218,7 +217,7 @@ class Tiers:
         moved = 0
         limit = srv.allocator.capacity
         skipped: list[tuple[ObjectRecord, NamespaceRecord]] = []
-        for obj, ns in self.index.policy.candidates(srv):
+        for obj, ns in self.index.candidates(0):
             why = self._leaving(obj, ns)
             if why == NOT_WORTH:
                 skipped.append((obj, ns))
@@ -232,8 +231,8 @@ class Tiers:
             moved += obj.length
             if srv.reclaimable_used <= target_used or moved >= limit:
                 break
-        for obj, ns in skipped:  # popped from the policy's order: back in it
-            self.index.policy.unpinned(obj, ns)
+        for obj, _ in skipped:  # popped from the policy's order: back in it
+            self.index.requeue(obj)
         self.counters["demotions_ahead"] += 1 if moved else 0
         return moved
 
@@ -256,7 +255,7 @@ class Tiers:
         dropped = 0
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
         allocator = srv.allocator
-        for obj, ns in self.index.policy.candidates(srv):
+        for obj, ns in self.index.candidates(0):
             covered = srv.demoting_bytes >= size  # no NVMe room made for a demotion then
             why = self._leaving(obj, ns, make_nvme_room=not covered)
             if why in (DEMOTE, BEHIND) and covered:
@@ -274,8 +273,8 @@ class Tiers:
             dropped += self._drop(obj, ns, why)
             if allocator.largest_free() >= size or dropped >= budget.evict:
                 break
-        for obj, ns in held:
-            self.index.policy.unpinned(obj, ns)
+        for obj, _ in held:
+            self.index.requeue(obj)
         left = budget.evict - dropped
         room_coming = srv.demoting_bytes >= size or budget.behind
         if allocator.largest_free() < size and not room_coming and left > 0:
@@ -294,7 +293,7 @@ class Tiers:
         evicted = 0
         allocator = srv.allocator
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
-        for obj, ns in self.index.policy.candidates(srv):
+        for obj, ns in self.index.candidates(0):
             why = PUT_COULD_NOT_WAIT if self._tier_open(obj.server) else NO_TIER
             if obj.server is not srv:
                 why = self._leaving(obj, ns)
@@ -309,8 +308,8 @@ class Tiers:
             evicted += self._drop(obj, ns, why)
             if allocator.largest_free() >= size or evicted >= max_bytes:
                 break
-        for obj, ns in held:  # popped from the policy's order: back in it
-            self.index.policy.unpinned(obj, ns)
+        for obj, _ in held:  # popped from the policy's order: back in it
+            self.index.requeue(obj)
         return evicted
 
     def _drop(self, obj: ObjectRecord, ns: NamespaceRecord, why: str) -> int:
@@ -378,7 +377,7 @@ class Tiers:
         """Evict NVMe objects in the NVMe policy's order until ``srv``'s tier holds
         at most ``target`` bytes; evicting from NVMe deletes (``drop_nvme``)."""
         evicted = 0
-        for obj, ns in self.index.nvme_policy.candidates(srv):
+        for obj, ns in self.index.candidates(1):
             evicted += self.index.drop(obj, ns)
             if srv.nvme_bytes <= target:
                 break
@@ -412,12 +411,12 @@ class Tiers:
             self.index.unpin([obj], ns)
             return None if done.ok else (done.error or "unknown error")
         # Switch the index to the NVMe copy, then let the DRAM range go.
-        self.index.unpin([obj], ns, requeue=False)
-        self.index.move_tier(ns, obj, done.nvme_offset, 1)
-        if obj.pins:
+        self.index.unpin([obj], ns)
+        dram_offset = obj.offset
+        if self.index.move_tier(ns, obj, done.nvme_offset, 1):
             srv.deferred_bytes += length  # freed when its last read lease ends
         else:
-            self.index.free_object(obj)
+            self.index.free_copy(srv, 0, dram_offset, length)
         c["demotions_done"] += 1
         c["demoted_bytes"] += length
         srv.demoted += 1
@@ -427,25 +426,36 @@ class Tiers:
         """The server dropped these NVMe objects by itself (a region evicted whole):
         forget them without asking it to delete anything (their addresses may hold
         new objects already). Returns the objects forgotten."""
+        index = self.index
+        o = index.cx.objects.cols
+        mine = index.server_objects(srv)
+        mine = mine[o["tier"][mine] == 1]
+        at = dict(zip(o["offset"][mine].tolist(), mine.tolist(), strict=True))
         n = 0
-        hit: list[tuple[NamespaceRecord, ObjectRecord]] = []
+        hit: list[tuple[NamespaceRecord, int, int]] = []
         for off, length in ranges:  # first forget every lost one...
-            obj = srv.nvme_objects.get(off)
-            if obj is None or obj.length != length or obj.state != LIVE:
+            oid = at.pop(off, None)
+            if oid is None or int(o["length"][oid]) != length or int(o["block"][oid]) < 0:
                 continue
-            ns = self.index.ns_of(obj.entry)
-            self.index.unlink(ns, obj.entry, obj.group)
-            obj.state = GONE  # nothing to free: the server has deleted it
-            self.index.pol(obj).evicted(obj, ns)
-            hit.append((ns, obj))
+            bid, g = int(o["block"][oid]), int(o["group"][oid])
+            ns = index.ns_by_id[int(index.cx.blocks.cols["ns"][bid])]
+            ghost = index.unlink(ns, bid, g)
+            index.forget(ghost)  # nothing to free: the server has deleted it
+            pol = index.pol(ghost)
+            if pol.events:
+                pol.evicted(ghost, ns)
+            hit.append((ns, bid, g))
             n += 1
-        for ns, obj in hit:  # ...then what a lost full object leaves useless
-            entry = obj.entry
-            if obj.group == ns.full_group:
-                for g, o in enumerate(entry.objects):
-                    if o is not None:
-                        self.index.evict_object(ns, entry, g)
-            if entry.children == 0 and not any(entry.objects):
-                self.index.prune(ns, entry)
+            o = index.cx.objects.cols
+        b = index.cx.blocks.cols
+        for ns, bid, g in hit:  # ...then what a lost full object leaves useless
+            if int(b["ns"][bid]) != ns.ns_id:
+                continue  # pruned already
+            if g == ns.full_group:
+                for g2, oid in enumerate(b["obj"][bid, : ns.layout.num_groups].tolist()):
+                    if oid >= 0:
+                        index.evict_object(ns, bid, g2)
+            index.prune(ns, bid)
+            b = index.cx.blocks.cols
         self.counters["nvme_lost"] += n
         return n

@@ -11,19 +11,20 @@ full object goes only from a leaf, a leased object never.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-from gcache.meta.eviction import evictable
-from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
+import numpy as np
+import numpy.typing as npt
+
+from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord
 from gcache.replay.trace import Trace
 
+if TYPE_CHECKING:
+    from gcache.meta.index import Ghost, Index
+
 NEVER = float(1 << 60)
-# (-next use, -bytes, sequence, object, namespace): farthest first, then largest.
-Item = tuple[float, int, int, ObjectRecord, NamespaceRecord]
 
 
 class Oracle:
@@ -56,67 +57,58 @@ class Oracle:
 
 
 class BeladyPolicy:
+    """Keys by next use, farthest first (the key is minus the next use; the score
+    holds the next use). A key whose predicted use passed without a touch is
+    re-keyed when the object comes up as a candidate."""
+
     name = "belady"
+    events = True
 
     def __init__(self, oracle: Oracle) -> None:
         self.oracle = oracle
         self.clock = -1  # the request being replayed; the runner sets it
-        self._heaps: dict[int, list[Item]] = {}
-        self._seq = itertools.count()
+        self.ix: Index | None = None
+        self.tier = 0
         self.pushes = 0
+
+    def bind(self, ix: Index, tier: int) -> None:
+        self.ix, self.tier = ix, tier
+
+    def keys(self, atime: npt.NDArray[np.float64], score: npt.NDArray[Any]) -> Any:
+        return -score.astype(np.float64)
 
     def _push(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         nxt = self.oracle.next_use(obj.entry.key, obj.group != ns.full_group, self.clock)
         obj.score = nxt
-        heap = self._heaps.get(id(obj.server))
-        if heap is None:
-            heap = self._heaps[id(obj.server)] = []
-        heapq.heappush(heap, (-nxt, -obj.length, next(self._seq), obj, ns))
+        assert self.ix is not None
+        self.ix.rekey(np.array([obj.oid], dtype=np.int32))
         self.pushes += 1
 
     def refresh(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         """Re-key the objects of ``entry`` (a predicted use passed without a touch)."""
         for obj in entry.objects:
-            if obj is not None and evictable(obj, ns):
+            if obj is not None:
                 self._push(obj, ns)
 
     def admit(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        if evictable(obj, ns):
-            self._push(obj, ns)
+        self._push(obj, ns)
 
-    def admit_many(self, objs: list[ObjectRecord], ns: NamespaceRecord) -> None:
-        for obj in objs:
-            self.admit(obj, ns)
-
-    def touch(self, obj: ObjectRecord, ns: NamespaceRecord, age: float) -> None:
-        if evictable(obj, ns):
-            self._push(obj, ns)
+    def accessed(self, oids: npt.NDArray[np.int32], ns: NamespaceRecord, now: float) -> None:
+        assert self.ix is not None
+        for oid in oids.tolist():
+            self._push(self.ix.obj(oid), ns)
 
     def became_leaf(self, entry: BlockEntry, ns: NamespaceRecord) -> None:
         self.refresh(entry, ns)
 
-    def evicted(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
+    def evicted(self, obj: Ghost, ns: NamespaceRecord) -> None:
         pass
 
-    def unpinned(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
-        if evictable(obj, ns):
-            self._push(obj, ns)
-
-    def candidates(self, server: ServerRecord) -> Iterator[tuple[ObjectRecord, NamespaceRecord]]:
-        heap = self._heaps.get(id(server))
-        while heap:
-            key, _, _, obj, ns = heapq.heappop(heap)
-            if obj.server is not server or not evictable(obj, ns):
-                continue
-            if -key != obj.score:
-                continue  # re-keyed since
-            if obj.score <= self.clock:  # its predicted use passed unused: re-key
-                self._push(obj, ns)
-                continue
-            yield obj, ns
-
-    def forget_server(self, server: ServerRecord) -> None:
-        self._heaps.pop(id(server), None)
+    def stale(self, obj: ObjectRecord, ns: NamespaceRecord) -> bool:
+        if obj.score <= self.clock:  # its predicted use passed unused: re-key
+            obj.score = self.oracle.next_use(obj.entry.key, obj.group != ns.full_group, self.clock)
+            return True
+        return False
 
     def stats(self) -> dict[str, int]:
         return {"pushes": self.pushes}

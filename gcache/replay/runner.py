@@ -155,8 +155,7 @@ def replay(
         p = match(ns, keys, min(n, (length - 1) // bs))
         q = 0
         if p:
-            chain = list(map(entries.__getitem__, keys[:p]))
-            picked = pick(ns, chain, p, now)
+            picked = pick(ns, keys, p, now)
             hit_tokens += p * bs
             saved += prefix(p * bs)
             if nvme_capacity:

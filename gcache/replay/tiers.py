@@ -132,8 +132,7 @@ def load_plan(
                 picked = [o for o in picked if o.entry.pos < q]
             else:
                 blocks = core.match(ns, keys, q)
-                chain = [ns.entries[k] for k in keys[:blocks]]
-                picked = core.pick(ns, chain, blocks, now) if blocks else []
+                picked = core.pick(ns, keys, blocks, now)
     addr = servers[0]
     fetch = fetch_seconds(picked, addr.dram_read_gbps, addr.nvme_read_gbps)
     nvme_flops = 0.0

@@ -487,7 +487,7 @@ def test_native_heap_orders_as_the_python_heap(ops: list[tuple[str, int, int]]) 
     re-keys and removals (the positions, not only the top)."""
     heaps = []
     for native in (True, False):
-        rows = RowTable({"tick": ("<u8", 0), "hpos": ("<i4", 0)}, {"hpos": -1})
+        rows = RowTable({"tick": ("<u8", 0), "hseq": ("<u8", 0), "hpos": ("<i4", 0)}, {"hpos": -1})
         rows.take(64)
         heaps.append(TickHeap(rows, native=native))
     for op, row, tick in ops:
@@ -513,11 +513,12 @@ def test_native_kernels_refuse_out_of_range_input() -> None:
     assert INDEX_KERNELS is not None
     heap = np.array([0, 5], dtype=np.int32)  # row 5 past the 2-row columns
     tick = np.zeros(2, dtype=np.uint64)
+    seq = np.zeros(2, dtype=np.uint64)
     hpos = np.zeros(2, dtype=np.int32)
     with pytest.raises(IndexError):
-        INDEX_KERNELS.heap_sift(heap, tick, hpos, 2, 1)
+        INDEX_KERNELS.heap_sift(heap, tick, seq, hpos, 2, 1)
     with pytest.raises(IndexError):
-        INDEX_KERNELS.heap_sift(heap, tick, hpos, 3, 0)  # size past the heap
+        INDEX_KERNELS.heap_sift(heap, tick, seq, hpos, 3, 0)  # size past the heap
     ix = CompactIndex(groups=1)
     with pytest.raises(CompactIndexError):
         ix.match(0, [b"short"], 0)

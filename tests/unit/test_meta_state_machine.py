@@ -213,15 +213,11 @@ class MetaMachine(RuleBasedStateMachine):
         for e in ns.entries.values():
             assert not (e.children == 0 and e.empty())
         for srv in core.servers.values():
-            ring = [o for o in objs if o.server is srv]
-            assert srv.objects == len(ring)
-            node, walked = srv.rings.get(ns.ns_id), 0
-            if node is not None:
-                cur = node.next_on
-                while cur is not node:
-                    walked += 1
-                    cur = cur.next_on
-            assert walked == len(ring)
+            mine = [o for o in objs if o.server is srv]
+            assert srv.objects == len(mine)
+            # the scan that finds a dead server's objects finds exactly these
+            found = core.index.server_objects(srv).tolist()
+            assert sorted(found) == sorted(o.oid for o in mine)
 
     @invariant()
     def no_two_holders_share_bytes_and_allocators_agree(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from gcache.config import MetaConfig
 from gcache.meta.core import MetaCore
-from gcache.meta.eviction import LRUPolicy
 from gcache.meta.rebuild import Parked
 from gcache.storage.columns import columns_of
 from tests.unit.test_meta_tiers import KB, SLOW, addr, heartbeat, make, put, report_of, toks
@@ -69,7 +68,7 @@ def test_a_chunk_parked_whole_is_adopted_when_its_namespace_registers_late() -> 
     ns = new.namespaces[fp]
     assert len(ns.entries) == len(old.namespaces[fp].entries)
     # Adopted objects are eviction candidates, the oldest (lowest seq) first.
-    first = next(iter(new.policy.candidates(new.servers["s0"])))[0]
+    first = next(iter(new.index.candidates(0)))[0]
     assert first.entry.key in {k for k in old.namespaces[fp].entries}
 
 
@@ -129,18 +128,3 @@ def test_the_parked_bound_drops_the_oldest_chunk_whole() -> None:
     assert new.counters["parked_dropped"] == half
     srv = new.servers["s0"]
     assert srv.allocator.used == sum(r.length for r in recs[half:])
-
-
-def test_bulk_admission_keeps_the_lru_order() -> None:
-    old, fp = make(servers=1)
-    for i in range(5):
-        put(old, fp, toks(i, 3), float(i))
-    ns = old.namespaces[fp]
-    objs = [o for e in ns.entries.values() for o in e.objects if o is not None]
-    one, many = LRUPolicy(), LRUPolicy()
-    for o in objs:
-        one.admit(o, ns)
-    many.admit_many(objs, ns)
-    srv = old.servers["s0"]
-    assert [o for o, _ in one.candidates(srv)] == [o for o, _ in many.candidates(srv)]
-    assert one.stats() == many.stats()

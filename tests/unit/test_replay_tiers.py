@@ -147,8 +147,9 @@ def test_server_sim_completes_every_demotion() -> None:
     s = core.stats()
     assert s["demotions_done"] == s["demotions_issued"] == sim.demotions > 0
     assert s["demotions_in_flight"] == 0
-    on_nvme = list(srv.nvme_objects.values())
-    assert on_nvme and all(o.tier == 1 for o in on_nvme)
+    on_nvme = [core.index.obj(oid) for oid in core.index.server_objects(srv).tolist()]
+    on_nvme = [o for o in on_nvme if o.tier == 1]
+    assert on_nvme and len(on_nvme) == srv.nvme_count
     assert len({o.offset for o in on_nvme}) == len(on_nvme)  # distinct NVMe addresses
 
 
