@@ -30,10 +30,10 @@ from gcache.compute import (  # re-exported: the compute model lives in the shar
     compute_for_layout,
 )
 from gcache.layout import Layout
-from gcache.meta.handles import LIVE, BlockEntry, ObjectRecord, kids
+from gcache.meta.compact import CompactIndex
+from gcache.meta.handles import LIVE, BlockEntry, Ghost, ObjectRecord, kids
 
 if TYPE_CHECKING:
-    from gcache.meta.index import Ghost, Index
     from gcache.meta.records import NamespaceRecord
 
 F64 = npt.NDArray[np.float64]
@@ -48,6 +48,18 @@ def evictable(obj: ObjectRecord, ns: NamespaceRecord) -> bool:
     if obj.group != ns.full_group:
         return True
     return kids(obj) == 0
+
+
+class Index(Protocol):
+    """What a policy asks of the index that ranks by it (``meta/index.py``)."""
+
+    cx: CompactIndex
+
+    def obj(self, oid: int) -> ObjectRecord: ...
+
+    def rekey(self, oids: npt.NDArray[np.int32]) -> None: ...
+
+    def rekey_all(self) -> None: ...
 
 
 class EvictionPolicy(Protocol):

@@ -277,6 +277,44 @@ class BlockEntry:
         return f"BlockEntry(row={self.bid}, pos={self.pos}, children={self.children})"
 
 
+class Ghost:
+    """What an object was when it left the index (its row may be reused at once):
+    for the policies' ``evicted`` hook and the caller that frees its range. While
+    leases pin it (``pinned``), its row is held and ``oid`` still names it."""
+
+    __slots__ = (
+        *("entry", "group", "last_access", "length", "offset", "oid", "owner", "pinned"),
+        *("score", "server", "state", "tier"),
+    )
+
+    def __init__(
+        self,
+        oid: int,
+        entry: BlockEntry,
+        group: int,
+        server: ServerRecord,
+        tier: int,
+        offset: int,
+        length: int,
+        owner: str,
+        score: float,
+        last_access: float,
+        pinned: bool,
+    ) -> None:
+        self.oid = oid
+        self.entry = entry
+        self.group = group
+        self.server = server
+        self.tier = tier
+        self.offset = offset
+        self.length = length
+        self.owner = owner
+        self.score = score
+        self.last_access = last_access
+        self.pinned = pinned
+        self.state = EVICTED if pinned else GONE
+
+
 class Entries:
     """A namespace's blocks by key, read-only (``NamespaceRecord.entries``): the
     mapping the records' dict was, answered by the key map. Changes go through

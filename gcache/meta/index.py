@@ -27,7 +27,7 @@ from gcache.meta.compact import DETACHED, LEAVING_DRAM
 from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
-from gcache.meta.handles import EVICTED, GONE, Entries, Store
+from gcache.meta.handles import GONE, Entries, Ghost, Store
 from gcache.meta.leaves import float_ticks
 from gcache.meta.quarantine import Quarantine
 from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
@@ -45,44 +45,6 @@ def _nothing() -> None: ...
 # Freed ranges reported to a server per heartbeat reply, at most (the server only
 # counts them; a longer backlog is dropped rather than grown without bound).
 MAX_FREED_REPORT = 1 << 16
-
-
-class Ghost:
-    """What an object was when it left the index (its row may be reused at once):
-    for the policies' ``evicted`` hook and the caller that frees its range. While
-    leases pin it (``pinned``), its row is held and ``oid`` still names it."""
-
-    __slots__ = (
-        *("entry", "group", "last_access", "length", "offset", "oid", "owner", "pinned"),
-        *("score", "server", "state", "tier"),
-    )
-
-    def __init__(
-        self,
-        oid: int,
-        entry: BlockEntry,
-        group: int,
-        server: ServerRecord,
-        tier: int,
-        offset: int,
-        length: int,
-        owner: str,
-        score: float,
-        last_access: float,
-        pinned: bool,
-    ) -> None:
-        self.oid = oid
-        self.entry = entry
-        self.group = group
-        self.server = server
-        self.tier = tier
-        self.offset = offset
-        self.length = length
-        self.owner = owner
-        self.score = score
-        self.last_access = last_access
-        self.pinned = pinned
-        self.state = EVICTED if pinned else GONE
 
 
 def rows(objs: Objs) -> I32:

@@ -49,6 +49,7 @@ from gcache.meta.membership import Membership
 from gcache.meta.parked import ParkedBooks
 from gcache.meta.records import (
     BlockEntry,
+    Entries,
     NamespaceRecord,
     Parked,
     ParkedChunk,
@@ -263,7 +264,7 @@ class Rebuild:
         coming: set[bytes] = set()
         fp = b""
         ns: NamespaceRecord | None = None
-        entries: dict[bytes, BlockEntry] = {}
+        entries: Entries | dict[bytes, BlockEntry] = {}
         for rec in recs:
             srv = rec.server
             if rec.namespace != fp:

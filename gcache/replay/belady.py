@@ -22,7 +22,8 @@ from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord
 from gcache.replay.trace import Trace
 
 if TYPE_CHECKING:
-    from gcache.meta.index import Ghost, Index
+    from gcache.meta.eviction import Index
+    from gcache.meta.handles import Ghost
 
 NEVER = float(1 << 60)
 
