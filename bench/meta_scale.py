@@ -633,51 +633,26 @@ def _alloc(o: object) -> int:
 
 
 def walk(core: Any) -> dict[str, Any]:
-    """Bytes per indexed block of ``core`` by kind of object: every object reachable
-    from the index, the eviction heap and the servers' books counted once
-    (``sys.getsizeof``, pymalloc-rounded)."""
-    seen: set[int] = set()
+    """Bytes per indexed block of ``core`` by part: the compact index's arrays
+    (rows in use), the servers' allocators' live maps, and what else the meta
+    keeps per object (pymalloc-rounded ``sys.getsizeof`` of Python objects)."""
     by: Counter[str] = Counter()
-
-    def add(kind: str, o: object) -> None:
-        if id(o) not in seen:
-            seen.add(id(o))
-            by[kind] += _alloc(o)
-
-    num = "ints and floats (offset, length, time, pos)"
+    cx = core.index.cx
     n = core.entries
-    n_obj = 0
-    for ns in core.namespaces.values():
-        add("entries dict (hash table: hash, key, value per slot)", ns.entries)
-        for key, e in ns.entries.items():
-            add("block key (bytes object, 16 B payload)", key)
-            add("BlockEntry (6 slots + GC header)", e)
-            add("BlockEntry.objects (list of 2)", e.objects)
-            add(num, e.pos)
-            for o in e.objects:
-                if o is None:
-                    continue
-                n_obj += 1
-                add("ObjectRecord (13 slots + 2 ring links + GC header)", o)
-                add("checksums (bytes: 8 B a layer)", o.sums)
-                for v in (o.offset, o.length, o.last_access, o.score):
-                    add(num, v)
-    pol = core.index.policy
-    for heap in (pol._heap, pol._pending):
-        add("LRU heap (list + tuple items + seq ints)", heap)
-        for item in heap:
-            add("LRU heap (list + tuple items + seq ints)", item)
-            add("LRU heap (list + tuple items + seq ints)", item[1])
-            add(num, item[0])
+    n_obj = core.live_objects
+    by["blocks table (key, namespace, parent, pos, counts, object ids, generation)"] += (
+        cx.blocks.nbytes()
+    )
+    by["objects table (block, group, tier, server, offset, length, keys, pins, ...)"] += (
+        cx.objects.nbytes()
+    )
+    by["checksum slabs (8 B a layer)"] += cx.sums_slabs.nbytes()
+    by["key map (open addressing, int32 block ids)"] += cx.keys.nbytes()
+    by["eviction heaps (int32 per evictable object)"] += cx.leaves.nbytes()
     for srv in core.servers.values():
-        add("server's nvme_objects (dict: NVMe address -> object)", srv.nvme_objects)
-        for k in srv.nvme_objects:
-            add(num, k)
-        live = srv.allocator._live  # offset -> size of each DRAM allocation
-        add("allocator (dict: DRAM offset -> size)", live)
-        for k, v in live.items():
-            add(num, k)
-            add(num, v)
+        by["allocator live map (DRAM offset -> size)"] += srv.allocator.live_nbytes()
+        if srv.reported:
+            by["report in progress (DRAM offset -> object)"] += _alloc(srv.reported)
     total = sum(by.values())
     return {
         "blocks": n,

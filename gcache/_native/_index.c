@@ -19,6 +19,13 @@
  *       how many leading 16-byte keys of the list `keys` have an object
  *       of `group` (`obj` int32, `groups` per block): a binary search of probes,
  *       for the prefix-closed group.
+ *   live_get(keys, vals, k) -> int
+ *   live_put(keys, vals, k, v) -> int
+ *   live_pop(keys, vals, k) -> int
+ *       an allocator's live map (start unit -> size units of each live range):
+ *       open addressing in two uint32 arrays (a key is stored as k + 1; 0 marks
+ *       an empty slot, 0xFFFFFFFF a removed one). get and pop answer the value
+ *       or -1; put answers 1 (added), 0 (replaced) or -1 (no free slot).
  *
  * Every index read from an array is bounds-checked (a wrong caller gets an
  * IndexError, never a stray read). No allocation, no GIL release (each call is
@@ -310,6 +317,111 @@ done:
     return res;
 }
 
+/* ---- an allocator's live map -------------------------------------------------------- */
+
+#define LM_EMPTY 0u
+#define LM_TOMB 0xFFFFFFFFu
+
+static int lm_args(PyObject *args, const char *fmt, buf_t *kb, buf_t *vb, long long *k,
+                   long long *v, uint32_t **keys, uint32_t **vals, Py_ssize_t *n) {
+    PyObject *ko, *vo;
+    int ok = v ? PyArg_ParseTuple(args, fmt, &ko, &vo, k, v)
+               : PyArg_ParseTuple(args, fmt, &ko, &vo, k);
+    if (!ok) return -1;
+    if (get(ko, kb, 4, 1, "keys") < 0 || get(vo, vb, 4, 1, "vals") < 0) return -1;
+    *n = N(*kb, uint32_t);
+    if (*n == 0 || (*n & (*n - 1)) || N(*vb, uint32_t) != *n) {
+        PyErr_SetString(PyExc_ValueError, "live map: keys and vals of one power-of-two size");
+        return -1;
+    }
+    if (*k < 0 || *k >= (long long)LM_TOMB - 1) {
+        PyErr_Format(PyExc_ValueError, "live map: key %lld out of range", *k);
+        return -1;
+    }
+    *keys = kb->b.buf;
+    *vals = vb->b.buf;
+    return 0;
+}
+
+/* The slot holding key `want` (stored form), or -1; `*free_at`: the first empty or
+ * removed slot on its probe path (-1: none). */
+static Py_ssize_t lm_find(const uint32_t *keys, Py_ssize_t n, uint32_t want, Py_ssize_t *free_at) {
+    uint64_t mask = (uint64_t)n - 1;
+    uint64_t h = ((uint64_t)want * 0x9E3779B97F4A7C15ULL >> 32) & mask;
+    *free_at = -1;
+    for (Py_ssize_t probes = 0; probes < n; probes++) {
+        uint32_t at = keys[h];
+        if (at == want) return (Py_ssize_t)h;
+        if (at == LM_EMPTY) {
+            if (*free_at < 0) *free_at = (Py_ssize_t)h;
+            return -1;
+        }
+        if (at == LM_TOMB && *free_at < 0) *free_at = (Py_ssize_t)h;
+        h = (h + 1) & mask;
+    }
+    return -1;
+}
+
+static PyObject *py_live_get(PyObject *self, PyObject *args) {
+    buf_t kb = {0}, vb = {0};
+    long long k;
+    uint32_t *keys, *vals;
+    Py_ssize_t n, free_at;
+    PyObject *res = NULL;
+    if (lm_args(args, "OOL", &kb, &vb, &k, NULL, &keys, &vals, &n) < 0) goto done;
+    Py_ssize_t at = lm_find(keys, n, (uint32_t)(k + 1), &free_at);
+    res = PyLong_FromLongLong(at < 0 ? -1 : (long long)vals[at]);
+done:
+    put(&kb); put(&vb);
+    return res;
+}
+
+static PyObject *py_live_put(PyObject *self, PyObject *args) {
+    buf_t kb = {0}, vb = {0};
+    long long k, v;
+    uint32_t *keys, *vals;
+    Py_ssize_t n, free_at;
+    PyObject *res = NULL;
+    if (lm_args(args, "OOLL", &kb, &vb, &k, &v, &keys, &vals, &n) < 0) goto done;
+    if (v < 0 || v > (long long)0xFFFFFFFFu) {
+        PyErr_Format(PyExc_ValueError, "live map: value %lld out of range", v);
+        goto done;
+    }
+    Py_ssize_t at = lm_find(keys, n, (uint32_t)(k + 1), &free_at);
+    if (at >= 0) {
+        vals[at] = (uint32_t)v;
+        res = PyLong_FromLong(0);
+    } else if (free_at >= 0) {
+        keys[free_at] = (uint32_t)(k + 1);
+        vals[free_at] = (uint32_t)v;
+        res = PyLong_FromLong(1);
+    } else {
+        res = PyLong_FromLong(-1);
+    }
+done:
+    put(&kb); put(&vb);
+    return res;
+}
+
+static PyObject *py_live_pop(PyObject *self, PyObject *args) {
+    buf_t kb = {0}, vb = {0};
+    long long k;
+    uint32_t *keys, *vals;
+    Py_ssize_t n, free_at;
+    PyObject *res = NULL;
+    if (lm_args(args, "OOL", &kb, &vb, &k, NULL, &keys, &vals, &n) < 0) goto done;
+    Py_ssize_t at = lm_find(keys, n, (uint32_t)(k + 1), &free_at);
+    if (at < 0) {
+        res = PyLong_FromLong(-1);
+    } else {
+        keys[at] = LM_TOMB;
+        res = PyLong_FromLongLong((long long)vals[at]);
+    }
+done:
+    put(&kb); put(&vb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"heap_sift", py_heap_sift, METH_VARARGS,
      "heap_sift(heap, tick, seq, hpos, size, i) -> int: restore the heap order around i."},
@@ -323,6 +435,12 @@ static PyMethodDef methods[] = {
     {"match", py_match, METH_VARARGS,
      "match(table, k0, k1, ns, obj, groups, nsid, keys, group) -> int: how many leading "
      "keys have an object of group (binary search of probes)."},
+    {"live_get", py_live_get, METH_VARARGS,
+     "live_get(keys, vals, k) -> int: the live map's value of k, or -1."},
+    {"live_put", py_live_put, METH_VARARGS,
+     "live_put(keys, vals, k, v) -> int: 1 added, 0 replaced, -1 no free slot."},
+    {"live_pop", py_live_pop, METH_VARARGS,
+     "live_pop(keys, vals, k) -> int: remove k, answering its value, or -1."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -66,7 +66,6 @@ def complete_report(
     used, overlapping = reported_ranges(srv, books)
     alloc = SegmentAllocator.with_used(srv.allocator.capacity, srv.allocator.align, used)
     assert srv.reported is not None
-    alloc.share_keys(srv.reported)  # the adopted objects' offsets
     for p in srv.parked.values():
         p.allocated = True
     srv.allocator = alloc

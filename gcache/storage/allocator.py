@@ -23,10 +23,12 @@ Why a TLSF-style segregated fit with immediate coalescing:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from gcache.storage.livemap import LiveMap
 
 _SL_BITS = 3  # 8 linear sub-bins per power-of-two class
 _SL = 1 << _SL_BITS
@@ -59,7 +61,6 @@ class SegmentAllocator:
         "_free_start",
         "_live",
         "_shift",
-        "_sizes",
         "_used",
     )
 
@@ -72,9 +73,8 @@ class SegmentAllocator:
         self._shift = align.bit_length() - 1
         self._capacity = capacity & ~(align - 1)
         self._used = 0
-        self._live: dict[int, int] = {}  # offset -> size of live allocations
-        # Each distinct size as one int object (few sizes, millions of allocations).
-        self._sizes: dict[int, int] = {}
+        # start unit -> size in units of each live allocation (compact: millions)
+        self._live = LiveMap()
         self._free_start: dict[int, int] = {}  # start -> size of free blocks
         self._free_end: dict[int, int] = {}  # end -> start of free blocks
         # dicts (not sets) so iteration order is insertion order: deterministic.
@@ -153,10 +153,8 @@ class SegmentAllocator:
                 raise ValueError(
                     f"range ({int(offs[i])}, {int(sizes[i])}) overlaps, is misaligned or outside"
                 )
-            same = self._sizes
-            self._live = dict(
-                zip(offs.tolist(), [same.setdefault(x, x) for x in sizes.tolist()], strict=True)
-            )
+            shift = self._shift
+            self._live.put_many(offs >> shift, sizes >> shift)
             before = np.concatenate([np.zeros(1, ends.dtype), ends[:-1]])
             for i in np.flatnonzero(offs > before).tolist():  # the gaps: free blocks
                 self._insert(int(before[i]), int(offs[i] - before[i]))
@@ -174,23 +172,13 @@ class SegmentAllocator:
                 raise ValueError(f"range ({off}, {size}) overlaps, is misaligned or outside")
             if off > cursor:
                 self._insert(cursor, off - cursor)
-            live[off] = self._sizes.setdefault(size, size)
+            live.put(off >> self._shift, size >> self._shift)
             total += size
             cursor = off + size
         if cursor < self._capacity:
             self._insert(cursor, self._capacity - cursor)
         self._used = total
         return self
-
-    def share_keys(self, offsets: Iterable[int]) -> None:
-        """Key the live map with these int objects (offsets of live allocations,
-        equal to its keys) so it shares them with the caller's records instead of
-        holding copies (a rebuilt server's allocator: 32 B an object)."""
-        live = self._live
-        for off in offsets:
-            size = live.pop(off, None)
-            if size is not None:
-                live[off] = size
 
     # -- public API ----------------------------------------------------------
 
@@ -207,17 +195,22 @@ class SegmentAllocator:
         block = self._remove(start)
         if block > size:
             self._insert(start + size, block - size)
-        self._live[start] = self._sizes.setdefault(size, size)
+        self._live.put(start >> self._shift, size >> self._shift)
         self._used += size
         return start
 
     def free(self, offset: int) -> None:
         """Free the allocation starting at ``offset``, merging with free neighbours."""
-        size = self._live.pop(offset, None)
-        if size is None:
+        units = (
+            -1
+            if offset < 0 or offset & (self._align - 1)
+            else self._live.pop(offset >> self._shift)
+        )
+        if units < 0:
             raise ValueError(
                 f"offset {offset} is not a live allocation (double free or foreign offset)"
             )
+        size = units << self._shift
         self._used -= size
         start, end = offset, offset + size
         if end in self._free_start:
@@ -230,10 +223,18 @@ class SegmentAllocator:
 
     def size_of(self, offset: int) -> int:
         """Size in bytes (after alignment round-up) of the live allocation at ``offset``."""
-        try:
-            return self._live[offset]
-        except KeyError:
-            raise ValueError(f"offset {offset} is not a live allocation") from None
+        units = (
+            -1
+            if offset < 0 or offset & (self._align - 1)
+            else self._live.get(offset >> self._shift)
+        )
+        if units < 0:
+            raise ValueError(f"offset {offset} is not a live allocation")
+        return units << self._shift
+
+    def live_nbytes(self) -> int:
+        """Bytes the live map's arrays take."""
+        return self._live.nbytes()
 
     def largest_free(self) -> int:
         """Size of the largest free block (scans only the highest non-empty bin)."""

@@ -1,0 +1,121 @@
+"""An allocator's live map: the start of every live range (in alignment units) to
+its size (in units), for :class:`~gcache.storage.allocator.SegmentAllocator`.
+
+The meta keeps one allocator per server and a live range per DRAM object, tens
+of millions of them in a fleet: a dict of Python ints costs about 75 B a range.
+This map is two ``uint32`` arrays in open addressing (16-48 B a range: a slot
+is 8 B, the table 2-6x the ranges), probed in C (``gcache._native.INDEX_KERNELS``);
+without the native kernels (``GCACHE_NATIVE=0``) it is a dict with the same
+behaviour. No I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from gcache._native import INDEX_KERNELS
+
+_MIN = 64
+_EMPTY = 0
+_TOMB = 0xFFFFFFFF
+MAX_KEY = 0xFFFFFFFD  # keys are stored + 1; two values are markers
+
+
+class LiveMap:
+    """``unit -> size`` with ``get``, ``put``, ``pop``; bounded only by what is
+    put (the table stays at most half full, removed slots counted)."""
+
+    def __init__(self, native: bool = True) -> None:
+        self.k = INDEX_KERNELS if native else None
+        self._dict: dict[int, int] | None = None if self.k is not None else {}
+        self.keys = np.zeros(_MIN, dtype=np.uint32)
+        self.vals = np.zeros(_MIN, dtype=np.uint32)
+        self.n = 0
+        self.tombs = 0
+
+    def __len__(self) -> int:
+        return self.n if self._dict is None else len(self._dict)
+
+    def get(self, unit: int) -> int:
+        """The size of the range at ``unit``, or -1."""
+        if self._dict is not None:
+            return self._dict.get(unit, -1)
+        assert self.k is not None
+        return self.k.live_get(self.keys, self.vals, unit)
+
+    def put(self, unit: int, size: int) -> None:
+        if not 0 <= unit <= MAX_KEY:
+            raise ValueError(f"live map: unit {unit} out of range")
+        if self._dict is not None:
+            self._dict[unit] = size
+            return
+        assert self.k is not None
+        if 2 * (self.n + self.tombs + 1) > self.keys.size:
+            self._rehash(max(_MIN, 3 * (self.n + 1)))
+        got = self.k.live_put(self.keys, self.vals, unit, size)
+        if got < 0:  # (the table is never full at this load)
+            raise RuntimeError("live map: no free slot")
+        if got == 1:
+            self.n += 1
+            # (an added key may have taken a removed slot: counted once rehashed)
+
+    def pop(self, unit: int) -> int:
+        """Remove ``unit``, answering its size, or -1 (not there)."""
+        if self._dict is not None:
+            return self._dict.pop(unit, -1)
+        assert self.k is not None
+        got = self.k.live_pop(self.keys, self.vals, unit)
+        if got >= 0:
+            self.n -= 1
+            self.tombs += 1
+        return got
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        """``(unit, size)`` of every range, in no order (tests, rebuilds)."""
+        if self._dict is not None:
+            return iter(list(self._dict.items()))
+        used = (self.keys != _EMPTY) & (self.keys != _TOMB)
+        return zip(
+            (self.keys[used].astype(np.int64) - 1).tolist(), self.vals[used].tolist(), strict=True
+        )
+
+    def put_many(self, units: np.ndarray, sizes: np.ndarray) -> None:
+        """:meth:`put` of many (a rebuilt allocator's ranges)."""
+        if self._dict is not None:
+            self._dict.update(zip(units.tolist(), sizes.tolist(), strict=True))
+            return
+        if len(units) and (int(units.min()) < 0 or int(units.max()) > MAX_KEY):
+            raise ValueError("live map: unit out of range")
+        self._rehash(max(_MIN, 3 * (self.n + len(units))))
+        assert self.k is not None
+        put = self.k.live_put
+        keys, vals = self.keys, self.vals
+        added = 0
+        for u, s in zip(units.tolist(), sizes.tolist(), strict=True):
+            added += put(keys, vals, u, s) == 1
+        self.n += added
+
+    def _rehash(self, size: int) -> None:
+        """Into a table of at least ``size`` slots (a power of two), without the
+        removed slots."""
+        slots = _MIN
+        while slots < size:
+            slots *= 2
+        old_k, old_v = self.keys, self.vals
+        used = (old_k != _EMPTY) & (old_k != _TOMB)
+        self.keys = np.zeros(slots, dtype=np.uint32)
+        self.vals = np.zeros(slots, dtype=np.uint32)
+        self.tombs = 0
+        assert self.k is not None
+        put = self.k.live_put
+        keys, vals = self.keys, self.vals
+        for u, s in zip(
+            (old_k[used].astype(np.int64) - 1).tolist(), old_v[used].tolist(), strict=True
+        ):
+            put(keys, vals, u, s)
+
+    def nbytes(self) -> int:
+        if self._dict is not None:
+            return 0  # (a dict: not the fleet's configuration)
+        return int(self.keys.nbytes + self.vals.nbytes)
