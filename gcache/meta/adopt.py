@@ -16,14 +16,14 @@ from itertools import repeat
 import numpy as np
 
 from gcache.config import MetaConfig
+from gcache.meta.adoptrun import ADOPTED, AGAIN, DEFERRED, INVALID, AdoptRun
 from gcache.meta.index import Index
 from gcache.meta.parked import ParkedBooks
 from gcache.meta.records import (
-    Entries,
     NamespaceRecord,
-    ObjectRecord,
     Parked,
     ParkedChunk,
+    Reported,
     ServerRecord,
     group_layer_bytes,
 )
@@ -110,127 +110,87 @@ class Adoption:
         deferred: list[Parked] = []
         adopted = dropped = 0
         base = now - 1.0  # recency(now, seq)
-        fp = b""
-        ns: NamespaceRecord | None = None
-        entries: Entries | None = None
-        layout = None
-        sizes: list[int] = []
-        nsums: list[int] = []
-        groups = 0
-        index = self.index
-        cx = index.cx
-        new: list[np.ndarray] = []  # admitted together per namespace run
+        fields = cols.fields()
+        nsc = fields[0]
         cur: ServerRecord | None = None
-        held: dict[int, ObjectRecord] | None = None
+        held: Reported | None = None
         sparked: dict[int, Parked | ParkedChunk] = {}
         mask = cap = 0
         mine = 0  # objects of cur adopted (credited when cur changes)
-        rows = zip(
-            zip(*cols.fields(), strict=True),
-            origin if origin is not None else repeat(None, n),
-            owners if owners is not None else repeat(None, n),
-            servers if servers is not None else repeat(srv, n),
-            strict=True,
+        rows = list(
+            zip(
+                zip(*fields, strict=True),
+                origin if origin is not None else repeat(None, n),
+                owners if owners is not None else repeat(None, n),
+                servers if servers is not None else repeat(srv, n),
+                strict=True,
+            )
         )
         mk = parked_row
-        for row, orig, own, rs in rows:
-            nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb = row
-            s: ServerRecord = (
-                orig.server if orig is not None else own.server if own is not None else rs  # type: ignore[assignment]
-            )
-            if s is not cur:
-                if mine and credit is not None and cur is not None:
-                    credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
-                mine = 0
-                cur = s
-                held = s.reported
-                sparked = s.parked
-                mask = s.allocator.align - 1
-                cap = s.allocator.capacity
-            if (
-                length <= 0
-                or tier > 1
-                or (
-                    tier == 0
-                    and (
-                        off & mask
-                        or off + length > cap
-                        or (held is not None and off in held)
-                        or off in sparked
-                    )
+        run: AdoptRun | None = None
+        i = 0
+        while i < n:
+            # A run of rows of one namespace: its blocks probed at once, its new
+            # blocks and objects added at its end, in bulk.
+            fp = nsc[i]
+            j = i
+            while j < n and nsc[j] == fp:
+                j += 1
+            ns = namespaces.get(fp)
+            run = None if ns is None else AdoptRun(self.index, ns, fields, i, j)
+            for row, orig, own, rs in rows[i:j]:
+                nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb = row
+                s: ServerRecord = (
+                    orig.server if orig is not None else own.server if own is not None else rs  # type: ignore[assignment]
                 )
-            ):
-                rec = orig or mk(row, s, own, now)
-                counters["report_invalid"] += 1
-                self.release_parked(rec)
-                dropped += 1
-                continue
-            if nsf != fp or ns is None:
-                if ns is not None and new:
-                    index.admit(ns, np.concatenate(new))
-                    new = []
-                fp = nsf
-                ns = namespaces.get(fp)
-                if ns is not None:
-                    entries = ns.entries
-                    layout = ns.layout
-                    sizes = layout.group_object_bytes
-                    nsums = [8 * len(x) for x in layout.group_layers]
-                    groups = len(nsums)
-            if ns is None:
-                self.park_for_namespace(orig or mk(row, s, own, now))
-                continue
-            assert entries is not None and layout is not None
-            bid = entries.find(key)
-            if bid < 0:
-                parent = -1
-                if pos:
-                    parent = entries.find(pkey)
-                    if parent < 0 or int(cx.blocks.cols["pos"][parent]) + 1 != pos:
-                        rec = orig or mk(row, s, own, now)
-                        deferred.append(rec)
-                        continue
-                bid = index.new_block(ns, key, parent, pos)
-            if (
-                g >= groups
-                or length != sizes[g]
-                or len(sums) != nsums[g]
-                or (lb and lb != group_layer_bytes(layout, g))
-            ):
-                rec = orig or mk(row, s, own, now)
-                counters["report_invalid"] += 1
-                self.release_parked(rec)
-                index.prune(ns, bid)
-                dropped += 1
-                continue
-            have = int(cx.blocks.cols["obj"][bid, g])
-            if have >= 0:
-                dropped += 1
-                o = cx.objects.cols
+                if s is not cur:
+                    if mine and credit is not None and cur is not None:
+                        credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
+                    mine = 0
+                    cur = s
+                    held = s.reported
+                    sparked = s.parked
+                    mask = s.allocator.align - 1
+                    cap = s.allocator.capacity
                 if (
-                    index.store.servers[int(o["server"][have])] is s
-                    and int(o["tier"][have]) == tier
-                    and int(o["offset"][have]) == off
+                    length <= 0
+                    or tier > 1
+                    or (
+                        tier == 0
+                        and (
+                            off & mask
+                            or off + length > cap
+                            or (held is not None and off in held)
+                            or off in sparked
+                            or (run is not None and (id(s), off) in run.taken)
+                        )
+                    )
                 ):
-                    continue  # reported again (a re-registration): already adopted
-                counters["report_duplicates"] += 1
-                self.release_parked(orig or mk(row, s, own, now))
-                continue
-            last = base + (seq if seq < 10**9 else 10**9) * 1e-9
-            oids = index.add_objects(
-                ns, np.array([bid], dtype=np.int32), g, s, [off], sizes[g],
-                np.frombuffer(sums, dtype=np.uint8).reshape(1, len(sums)),
-                np.array([last]), "", tier,
-            )  # fmt: skip
-            new.append(oids)
-            if not tier and held is not None:
-                held[off] = index.obj(int(oids[0]))  # (adopted after its report completed)
-            adopted += 1
-            mine += 1
+                    rec = orig or mk(row, s, own, now)
+                    counters["report_invalid"] += 1
+                    self.release_parked(rec)
+                    dropped += 1
+                    continue
+                if run is None:
+                    self.park_for_namespace(orig or mk(row, s, own, now))
+                    continue
+                got = run.adopt(row, s, base)
+                if got == ADOPTED:
+                    adopted += 1
+                    mine += 1
+                elif got == DEFERRED:
+                    deferred.append(orig or mk(row, s, own, now))
+                elif got == AGAIN:
+                    dropped += 1  # reported again (a re-registration): already adopted
+                else:
+                    counters["report_invalid" if got == INVALID else "report_duplicates"] += 1
+                    self.release_parked(orig or mk(row, s, own, now))
+                    dropped += 1
+            if run is not None:
+                run.finish()
+            i = j
         if mine and credit is not None and cur is not None:
             credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
-        if ns is not None and new:
-            index.admit(ns, np.concatenate(new))
         return adopted, dropped, deferred
 
     def park_chunk(self, srv: ServerRecord, cols: Columns, now: float) -> bool:
@@ -257,7 +217,7 @@ class Adoption:
             return False
         # (views on both sides: isdisjoint walks the smaller one, not the books)
         if not ranges.keys().isdisjoint(sparked.keys()) or (
-            held is not None and not ranges.keys().isdisjoint(held.keys())
+            held is not None and any(off in held for off in ranges)
         ):
             return False
         self.books.park_chunk(ParkedChunk(cols, srv, now, ranges))
@@ -331,9 +291,9 @@ class Adoption:
         parked books: records waiting for a parent are checked again)."""
         if rec.tier != 0:
             return False
-        held = srv.reported if srv.reported is not None else {}
+        held = srv.reported
         other = srv.parked.get(rec.offset)
-        return rec.offset in held or (other is not None and other is not rec)
+        return (held is not None and rec.offset in held) or (other is not None and other is not rec)
 
     def park_for_namespace(self, rec: Parked) -> None:
         self.books.park_for_namespace(rec)
@@ -400,7 +360,7 @@ class Adoption:
             np.array([last]), "", rec.tier,
         )  # fmt: skip
         if rec.tier == 0 and srv.reported is not None:
-            srv.reported[rec.offset] = index.obj(int(oids[0]))
+            srv.reported.add(rec.offset, int(oids[0]))
         # (Adopted after the report completed, it was parked: its range is allocated.)
         index.admit(ns, oids)
         return True

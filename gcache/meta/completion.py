@@ -20,7 +20,7 @@ Ranges = tuple["np.ndarray[Any, Any]", "np.ndarray[Any, Any]"]  # (offsets, leng
 
 
 def reported_ranges(
-    srv: ServerRecord, books: ParkedBooks
+    srv: ServerRecord, books: ParkedBooks, index: Index
 ) -> tuple[list[tuple[int, int]] | Ranges, list[tuple[int, Held]]]:
     """Every DRAM range of a server whose report completes (adopted, parked one by
     one or in chunks), by offset, and apart those overlapping an earlier one (with
@@ -28,9 +28,11 @@ def reported_ranges(
     (offsets, lengths) checked at once, without a tuple per range."""
     reported = srv.reported
     assert reported is not None
-    n = len(reported)
-    offs = np.fromiter(reported.keys(), np.int64, n)
-    lens = np.fromiter((o.length for o in reported.values()), np.int64, n)
+    pairs = list(reported.items())
+    n = len(pairs)
+    offs = np.fromiter((off for off, _ in pairs), np.int64, n)
+    oids = np.fromiter((oid for _, oid in pairs), np.int64, n)
+    lens = index.cx.objects.cols["length"][oids].astype(np.int64)
     more = [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
     for chunk in books.chunks_of(srv):
         more += chunk.ranges.items()
@@ -49,7 +51,7 @@ def reported_ranges(
     for off, length in zip(offs.tolist(), lens.tolist(), strict=True):
         if off < cursor:
             mine = reported.get(off)
-            overlapping.append((off, mine if mine is not None else srv.parked[off]))
+            overlapping.append((off, index.obj(mine) if mine >= 0 else srv.parked[off]))
             continue
         used.append((off, length))
         cursor = off + ((length + mask) & ~mask)
@@ -63,7 +65,7 @@ def complete_report(
     allocation per range) and mark its report complete (placement may use it once
     the caller invalidated the live set); records whose range is another's are
     forgotten."""
-    used, overlapping = reported_ranges(srv, books)
+    used, overlapping = reported_ranges(srv, books, index)
     alloc = SegmentAllocator.with_used(srv.allocator.capacity, srv.allocator.align, used)
     assert srv.reported is not None
     for p in srv.parked.values():

@@ -26,6 +26,7 @@ import numpy as np
 
 from gcache.errors import CompactIndexError
 from gcache.meta.compact import DETACHED, CompactIndex
+from gcache.storage.livemap import LiveMap
 
 if TYPE_CHECKING:
     from gcache.meta.records import NamespaceRecord, ServerRecord
@@ -374,6 +375,45 @@ class Entries:
 
     def __iter__(self) -> Iterator[bytes]:
         return self.keys()
+
+
+class Reported:
+    """A server's adopted DRAM objects while its report is in progress: offset ->
+    object row, in a :class:`~gcache.storage.livemap.LiveMap` (no Python object
+    per object: a rebuild adopts millions). Offsets are ``align``-aligned (others
+    are never in it)."""
+
+    __slots__ = ("map", "mask", "shift")
+
+    def __init__(self, align: int) -> None:
+        self.map = LiveMap()
+        self.shift = align.bit_length() - 1
+        self.mask = align - 1
+
+    def __contains__(self, offset: object) -> bool:
+        return self.get(offset) >= 0  # type: ignore[arg-type]
+
+    def get(self, offset: int) -> int:
+        """The object row at ``offset``, or -1."""
+        if offset < 0 or offset & self.mask:
+            return -1
+        return self.map.get(offset >> self.shift)
+
+    def add(self, offset: int, oid: int) -> None:
+        self.map.put(offset >> self.shift, oid)
+
+    def pop(self, offset: int) -> int:
+        if offset < 0 or offset & self.mask:
+            return -1
+        return self.map.pop(offset >> self.shift)
+
+    def __len__(self) -> int:
+        return len(self.map)
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        """``(offset, object row)`` of each, in no order."""
+        shift = self.shift
+        return ((u << shift, oid) for u, oid in self.map.items())
 
 
 def kids(obj: ObjectRecord) -> int:

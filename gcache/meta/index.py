@@ -208,6 +208,22 @@ class Index:
     def ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
         return self.store.block(int(self.ensure_chain(ns, key_list[: block + 1])[block]))
 
+    def add_blocks(
+        self,
+        ns: NamespaceRecord,
+        k0: npt.NDArray[np.uint64],
+        k1: npt.NDArray[np.uint64],
+        pk0: npt.NDArray[np.uint64],
+        pk1: npt.NDArray[np.uint64],
+        pos: I32,
+    ) -> I32:
+        """Blocks of ``ns`` with their parents' keys (a report chunk's, see
+        ``CompactIndex.add_blocks``); -1 for an orphan."""
+        before = self.cx.live_blocks
+        ids = self.cx.add_blocks(ns.ns_id, k0, k1, pk0, pk1, pos)
+        self._created(ns, self.cx.live_blocks - before)
+        return ids
+
     def new_block(self, ns: NamespaceRecord, key: bytes, parent: int, pos: int) -> int:
         """One new block of ``ns`` (its key not indexed) under ``parent`` (-1: a
         root)."""
@@ -604,9 +620,8 @@ class Index:
         if not srv.alive:
             return
         reported = srv.reported
-        if reported is not None and offset in reported:
-            # Adopted from the server's report, before the allocator is built.
-            del reported[offset]
+        if reported is not None and reported.pop(offset) >= 0:
+            pass  # adopted from the server's report, before the allocator is built
         else:
             srv.allocator.free(offset)
         if len(srv.freed) < MAX_FREED_REPORT:

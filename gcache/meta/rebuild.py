@@ -53,6 +53,7 @@ from gcache.meta.records import (
     NamespaceRecord,
     Parked,
     ParkedChunk,
+    Reported,
     ServerRecord,
 )
 from gcache.meta.streams import PACE_SLACK_ROWS, StreamMerge, in_order, merged
@@ -101,7 +102,7 @@ class Rebuild:
     def begin_report(self, srv: ServerRecord) -> None:
         """``srv`` will report what it holds: no placement on it until it is done."""
         if srv.reported is None and not srv.objects:
-            srv.reported = {}
+            srv.reported = Reported(srv.allocator.align)
             self.members.invalidate()
         if self._credit:
             self._credit.pop(srv.server_id, None)

@@ -24,6 +24,7 @@ from gcache.meta.handles import (
     BlockEntry,
     Entries,
     ObjectRecord,
+    Reported,
     Store,
     kids,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "PendingPut",
     "Placed",
     "Plan",
+    "Reported",
     "ServerRecord",
     "group_layer_bytes",
     "kids",
@@ -184,7 +186,7 @@ class ServerRecord:
         # While the server's report is not complete: its reported DRAM objects by
         # offset (the allocator is built from them at the end); None once complete.
         # Nothing is placed on a server whose report is not complete.
-        self.reported: dict[int, ObjectRecord] | None = None
+        self.reported: Reported | None = None
         # Reported objects waiting for their namespace or parent (Parked),
         # DRAM ones by offset: their ranges stay allocated.
         self.parked: dict[int, Parked | ParkedChunk] = {}

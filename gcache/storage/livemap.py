@@ -42,7 +42,7 @@ class LiveMap:
         if self._dict is not None:
             return self._dict.get(unit, -1)
         assert self.k is not None
-        return self.k.live_get(self.keys, self.vals, unit)
+        return int(self.k.live_get(self.keys, self.vals, unit))
 
     def put(self, unit: int, size: int) -> None:
         if not 0 <= unit <= MAX_KEY:
@@ -65,7 +65,7 @@ class LiveMap:
         if self._dict is not None:
             return self._dict.pop(unit, -1)
         assert self.k is not None
-        got = self.k.live_pop(self.keys, self.vals, unit)
+        got = int(self.k.live_pop(self.keys, self.vals, unit))
         if got >= 0:
             self.n -= 1
             self.tombs += 1
