@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import repeat
+from typing import Any
 
 import numpy as np
 
@@ -117,15 +118,13 @@ class Adoption:
         sparked: dict[int, Parked | ParkedChunk] = {}
         mask = cap = 0
         mine = 0  # objects of cur adopted (credited when cur changes)
-        rows = list(
-            zip(
-                zip(*fields, strict=True),
-                origin if origin is not None else repeat(None, n),
-                owners if owners is not None else repeat(None, n),
-                servers if servers is not None else repeat(srv, n),
-                strict=True,
-            )
-        )
+        if origin is not None:
+            row_srvs: list[Any] = [o.server for o in origin]
+        elif owners is not None:
+            row_srvs = [c.server for c in owners]
+        else:
+            row_srvs = servers if servers is not None else [srv] * n
+        rows: list[Any] | None = None  # (row, origin, owner, server): made if needed
         mk = parked_row
         run: AdoptRun | None = None
         i = 0
@@ -138,8 +137,30 @@ class Adoption:
                 j += 1
             ns = namespaces.get(fp)
             run = None if ns is None else AdoptRun(self.index, ns, fields, i, j)
+            if run is not None:  # a clean run (nearly all): at once
+                fast = run.fast(fields, i, j, row_srvs[i:j], base)
+                if fast is not None:
+                    if mine and credit is not None and cur is not None:
+                        credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
+                    mine, cur = 0, None
+                    for sid, m in fast.items():
+                        adopted += m
+                        if credit is not None:
+                            credit[sid] = credit.get(sid, 0) + m
+                    i = j
+                    continue
+            if rows is None:
+                rows = list(
+                    zip(
+                        zip(*fields, strict=True),
+                        origin if origin is not None else repeat(None, n),
+                        owners if owners is not None else repeat(None, n),
+                        servers if servers is not None else repeat(srv, n),
+                        strict=True,
+                    )
+                )
             for row, orig, own, rs in rows[i:j]:
-                nsf, key, pkey, pos, g, tier, off, length, sums, seq, lb = row
+                tier, off, length = row[5], row[6], row[7]
                 s: ServerRecord = (
                     orig.server if orig is not None else own.server if own is not None else rs  # type: ignore[assignment]
                 )

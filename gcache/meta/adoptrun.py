@@ -33,22 +33,23 @@ class AdoptRun:
         self.layout = layout
         cx = index.cx
         keys = list(fields[1][a:b])
-        parents = [p if p else _ROOT for p in fields[2][a:b]]
-        ok = all(len(k) == 16 for k in keys) and all(len(p) == 16 for p in parents)
+        parents = [p or _ROOT for p in fields[2][a:b]]
+        n = len(keys)
+        ok = {*map(len, keys), *map(len, parents)} <= {16}
         if ok:
-            self.ex = cx.find_keys(ns.ns_id, keys).tolist()
+            exb = cx.find_keys(ns.ns_id, keys)
             pex = cx.find_keys(ns.ns_id, parents)
         else:  # (a malformed key: probed one by one, refused below)
-            self.ex = [ns.entries.find(k) for k in keys]
+            exb = np.array([ns.entries.find(k) for k in keys], dtype=np.int32)
             pex = np.array([ns.entries.find(p) for p in parents], dtype=np.int32)
+        self.exb = exb
+        self.ex = exb.tolist()
         self.pex = pex.tolist()
         self.ppos = np.where(
             pex >= 0, cx.blocks.cols["pos"][np.where(pex >= 0, pex, 0)], -1
         ).tolist()
-        exb = np.array(self.ex, dtype=np.int32)
-        objs = cx.blocks.cols["obj"][np.where(exb >= 0, exb, 0), : layout.num_groups]
-        objs[exb < 0] = -1
-        self.objs = objs.tolist()
+        self._objs: list[list[int]] | None = None
+        self.n = n
         self.k = 0  # the row being adopted, in the run
         # new blocks: key -> number; their key, parent key, position, children
         self.made: dict[bytes, int] = {}
@@ -64,6 +65,129 @@ class AdoptRun:
         self.pending: dict[tuple[int, int], tuple[ServerRecord, int, int]] = {}
         self.rows: list[tuple[int, int, ServerRecord, int, int, bytes, float]] = []
         self.taken: set[tuple[int, int]] = set()  # (server, DRAM offset) adopted here
+
+    def fast(
+        self, fields: list[Any], a: int, b: int, srvs: list[ServerRecord], base: float
+    ) -> dict[str, int] | None:
+        """The whole run at once when it is clean: every row valid (range, group,
+        length, checksums), no two rows for one object or one DRAM range, no
+        object there already, every new block's parent in the index or earlier in
+        the run at the position before. Returns the objects adopted per server,
+        or None (nothing done: the caller goes row by row, which says what is
+        wrong with which row)."""
+        n = b - a
+        if not n or self.k:
+            return None
+        keys, parents = fields[1][a:b], fields[2][a:b]
+        pos, grp, tier = fields[3][a:b], fields[4][a:b], fields[5][a:b]
+        off, length, sums, seq, lbs = (f[a:b] for f in fields[6:11])
+        sizes, nsums, layout = self.sizes, self.nsums, self.layout
+        ng = len(sizes)
+        # the rows, as the row-by-row path checks them (vectorised)
+        g_a = np.array(grp, dtype=np.int64)
+        t_a = np.array(tier, dtype=np.int64)
+        if int(g_a.max()) >= ng or int(t_a.max()) > 1:
+            return None
+        if (np.array(length, dtype=np.int64) != np.array(sizes)[g_a]).any():
+            return None
+        if (np.fromiter(map(len, sums), np.int64, n) != np.array(nsums)[g_a]).any():
+            return None
+        if any(lbs) and any(
+            lb and lb != group_layer_bytes(layout, g) for lb, g in zip(lbs, grp, strict=True)
+        ):
+            return None
+        # DRAM ranges: in the segment, aligned, nobody else's (per server)
+        o_a = np.array(off, dtype=np.int64)
+        l_a = np.array(length, dtype=np.int64)
+        sid = np.array([id(s) for s in srvs], dtype=np.int64)
+        dram = t_a == 0
+        for s in {id(x): x for x in srvs}.values():
+            mine = dram & (sid == id(s))
+            if not mine.any():
+                continue
+            al = s.allocator
+            om = o_a[mine]
+            if (om & (al.align - 1)).any() or (om + l_a[mine] > al.capacity).any():
+                return None
+            if np.unique(om).size != om.size:
+                return None
+            offs = om.tolist()
+            if s.parked and any(o in s.parked for o in offs):
+                return None
+            held = s.reported
+            if held is not None and max(held.get_many(offs), default=-1) >= 0:
+                return None
+        if len(set(zip(keys, grp, strict=True))) != n:
+            return None  # one object named twice
+        exb = self.exb
+        old = exb >= 0
+        if old.any() and (self.index.cx.blocks.cols["obj"][exb[old], g_a[old]] >= 0).any():
+            return None  # there already (or another copy): row by row
+        index, ns = self.index, self.ns
+        bids = exb.copy()
+        new = np.flatnonzero(~old)
+        if new.size:
+            nk_rows = new.tolist()
+            nkeys = [keys[k] for k in nk_rows]
+            npos = [pos[k] for k in nk_rows]
+            newpos = dict(zip(nkeys, npos, strict=True))  # (the last row of each key)
+            if len(set(zip(nkeys, npos, strict=True))) != len(newpos):
+                return None  # one block at two positions
+            # each new block's parent: in the index, or a new block, one position up
+            p_a = np.array(npos, dtype=np.int64)
+            got_pos = np.array([newpos.get(parents[k], -1) for k in nk_rows], dtype=np.int64)
+            ppos = np.array(self.ppos, dtype=np.int64)[new]
+            up = np.where(np.array(self.pex, dtype=np.int64)[new] >= 0, ppos, got_pos)
+            if ((p_a > 0) & (up + 1 != p_a)).any():
+                return None  # its parent comes later, or never
+            first = dict(zip(reversed(nkeys), reversed(nk_rows), strict=True))
+            order = sorted(first.values())
+            nk = [keys[k] for k in order]
+            k0, k1 = split_keys(nk)
+            pk0, pk1 = split_keys([parents[k] if pos[k] else _ROOT for k in order])
+            got = index.add_blocks(
+                ns, k0, k1, pk0, pk1, np.array([pos[k] for k in order], np.int32)
+            )
+            if (got < 0).any():
+                raise RuntimeError("adoption: a new block lost its parent")
+            made = dict(zip(nk, got.tolist(), strict=True))
+            bids[new] = [made[key] for key in nkeys]
+        store = index.store
+        slot_a = np.array([store.slot_of(s) for s in srvs], dtype=np.int64)
+        code = (g_a * 65536 + slot_a) * 2 + t_a
+        uniq, inv = np.unique(code, return_inverse=True)
+        times_all = base + np.minimum(np.array(seq, dtype=np.float64), 1e9) * 1e-9
+        oids = np.empty(n, dtype=np.int32)
+        credit: dict[str, int] = {}
+        for u, c in enumerate(uniq.tolist()):
+            g, slot, t = c // 131072, (c // 2) % 65536, c % 2
+            at_a = np.flatnonzero(inv == u)
+            at = at_a.tolist()
+            srv = store.servers[slot]
+            assert srv is not None
+            width = nsums[g]
+            blob = np.frombuffer(b"".join([sums[k] for k in at]), dtype=np.uint8)
+            got = index.add_objects(
+                ns, bids[at_a], g, srv, o_a[at_a].astype(np.uint64), sizes[g],
+                blob.reshape(len(at), width), times_all[at_a], "", t, refresh=False,
+            )  # fmt: skip
+            oids[at_a] = got
+            credit[srv.server_id] = credit.get(srv.server_id, 0) + len(at)
+            if not t and srv.reported is not None:
+                srv.reported.add_many(o_a[at_a].tolist(), got.tolist())
+        index.settle(oids)  # one refresh of the eviction order for the whole run
+        index.admit(ns, oids, ordered=False)
+        return credit
+
+    @property
+    def objs(self) -> list[list[int]]:
+        """Per row, the object rows its block held when the run began (-1: none)."""
+        if self._objs is None:
+            exb = self.exb
+            o = self.index.cx.blocks.cols["obj"][np.where(exb >= 0, exb, 0), : len(self.sizes)]
+            o[exb < 0] = -1
+            self._objs = o.tolist()
+        return self._objs
 
     def adopt(self, row: tuple[Any, ...], s: ServerRecord, base: float) -> int:
         """One row (its range checked): what became of it."""
@@ -171,9 +295,11 @@ class AdoptRun:
             got = index.add_objects(
                 ns, bids, g, srv, [rows[r][4] for r in at], self.sizes[g],
                 sums.reshape(len(at), width), np.array([rows[r][6] for r in at]), "", tier,
+                refresh=False,
             )  # fmt: skip
             oids[at] = got
             if not tier and srv.reported is not None:
                 for r, oid in zip(at, got.tolist(), strict=True):
                     srv.reported.add(rows[r][4], oid)  # (adopted after its report completed)
-        index.admit(ns, oids)
+        index.settle(oids)  # one refresh of the eviction order for the whole run
+        index.admit(ns, oids, ordered=False)

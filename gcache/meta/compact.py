@@ -53,6 +53,7 @@ U64 = npt.NDArray[np.uint64]
 Freed = tuple[int, int, int, int]  # (server, tier, offset, length) of an object gone
 
 DETACHED: Final = -2  # an object's block once evicted while pinned (-1: a free row)
+SMALL: Final = 16  # batches up to this size go through scalar loops (no array calls)
 LEAVING_DRAM: Final = -2  # ``hits`` of a full DRAM object being demoted
 
 
@@ -321,6 +322,7 @@ class CompactIndex:
         ticks: U64,
         tier: int = 0,
         owner: int = 0,
+        refresh: bool = True,
     ) -> I32:
         """:meth:`add_object` for many blocks at once (a put's prompt, a server's
         report): ``sums`` is one row of checksum bytes per object. A large batch of
@@ -351,7 +353,8 @@ class CompactIndex:
             hot = bids[self.leaves.full[b["ns"][bids]] == group]
             parents = b["parent"][hot]
             np.add.at(b["hot"], parents[parents >= 0], 1)
-        self.leaves.refresh(np.concatenate([oids, self.leaves.parents_full(bids)]))
+        if refresh:  # (else the caller refreshes them, with a batch's others)
+            self.leaves.refresh(np.concatenate([oids, self.leaves.parents_full(bids)]))
         return oids
 
     def _hot_step(self, oid: int, step: int) -> None:
@@ -405,6 +408,18 @@ class CompactIndex:
     def pin(self, oids: I32) -> None:
         """A lease holds ``oids`` (each as often as named): not evictable until
         unpinned."""
+        if oids.size <= SMALL:  # (a few: scalar work, no array calls)
+            pins, hpos, tier, block = self.objects.views("pins", "hpos", "tier", "block")
+            ids = oids.tolist()
+            rows = self.objects.rows
+            if any(not 0 <= oid < rows or block[oid] < 0 for oid in ids):
+                raise CompactIndexError("unknown object ids")
+            heaps = self.leaves.heaps
+            for oid in ids:
+                pins[oid] += 1
+                if hpos[oid] >= 0:  # pinned: out of the eviction order
+                    heaps[tier[oid]].remove(oid)
+            return
         self._check_live(oids)
         u, n = np.unique(oids, return_counts=True)
         o = self.objects.cols
@@ -421,6 +436,8 @@ class CompactIndex:
     def unpin_rows(self, oids: I32) -> list[tuple[int, Freed]]:
         """:meth:`unpin`, each freed object with its (former) id."""
         o = self.objects.cols
+        if oids.size <= SMALL:  # (a few: scalar work, no array calls)
+            return self._unpin_few(oids.tolist())
         if oids.size and not ((oids >= 0) & (oids < self.objects.rows)).all():
             raise CompactIndexError("unpin of an object no lease holds")
         u, n = np.unique(oids, return_counts=True)
@@ -435,6 +452,29 @@ class CompactIndex:
             self._free_row(oid)
             self.detached -= 1
         self.leaves.refresh(free[o["block"][free] >= 0])
+        return freed
+
+    def _unpin_few(self, ids: list[int]) -> list[tuple[int, Freed]]:
+        o = self.objects.cols
+        pins, block = self.objects.views("pins", "block")
+        rows = self.objects.rows
+        want: dict[int, int] = {}
+        for oid in ids:
+            want[oid] = want.get(oid, 0) + 1
+        if any(not 0 <= oid < rows or pins[oid] < n for oid, n in want.items()):
+            raise CompactIndexError("unpin of an object no lease holds")
+        freed = []
+        for oid, n in want.items():
+            pins[oid] -= n
+            if pins[oid]:
+                continue
+            if block[oid] == DETACHED:
+                freed.append((oid, (int(o["server"][oid]), int(o["tier"][oid]),
+                              int(o["offset"][oid]), int(o["length"][oid]))))  # fmt: skip
+                self._free_row(oid)
+                self.detached -= 1
+            else:
+                self.leaves.refresh1(oid)
         return freed
 
     def move_tier(self, oid: int, tier: int, offset: int) -> int:
@@ -493,12 +533,18 @@ class CompactIndex:
 
     def touch(self, oids: I32, tick: int) -> None:
         """Mark objects used at ``tick`` (a lookup's hits): later victims."""
-        o = self.objects.cols
-        o["tick"][oids] = tick
-        hpos, tier = o["hpos"], o["tier"]
         heaps = self.leaves.heaps
-        for oid in oids[hpos[oids] >= 0].tolist():
-            heaps[int(tier[oid])].rekey(oid)
+        if oids.size <= SMALL:  # (a few: scalar work, no array calls)
+            ticks, hpos, tier = self.objects.views("tick", "hpos", "tier")
+            for oid in oids.tolist():
+                ticks[oid] = tick
+                if hpos[oid] >= 0:
+                    heaps[tier[oid]].rekey(oid)
+            return
+        c = self.objects.cols
+        c["tick"][oids] = tick
+        for oid in oids[c["hpos"][oids] >= 0].tolist():
+            heaps[int(c["tier"][oid])].rekey(oid)
 
     def retick(self, oids: I32, ticks: U64) -> None:
         """New eviction keys for ``oids`` (a policy re-scored them)."""

@@ -71,6 +71,7 @@ class EvictionPolicy(Protocol):
 
     name: str
     events: bool  # wants the per-object hooks below
+    by_access: bool  # the key is the last access alone (a touch sets it without arrays)
 
     def bind(self, ix: Index, tier: int) -> None:
         """The index (and tier) whose objects it ranks."""
@@ -108,6 +109,7 @@ class LRUPolicy:
 
     name = "lru"
     events = False
+    by_access = True
 
     def __init__(self) -> None:
         self.ix: Index | None = None
@@ -195,6 +197,7 @@ class CostPolicy:
 
     name = "cost"
     events = True
+    by_access = False
 
     def __init__(
         self,

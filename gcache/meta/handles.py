@@ -399,8 +399,19 @@ class Reported:
             return -1
         return self.map.get(offset >> self.shift)
 
+    def get_many(self, offsets: list[int]) -> list[int]:
+        """:meth:`get` of each (aligned offsets)."""
+        shift = self.shift
+        return self.map.get_many([o >> shift for o in offsets])
+
     def add(self, offset: int, oid: int) -> None:
         self.map.put(offset >> self.shift, oid)
+
+    def add_many(self, offsets: list[int], oids: list[int]) -> None:
+        shift = self.shift
+        self.map.put_many(
+            np.array([o >> shift for o in offsets], dtype=np.int64), np.array(oids, np.int64)
+        )
 
     def pop(self, offset: int) -> int:
         if offset < 0 or offset & self.mask:

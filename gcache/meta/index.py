@@ -28,7 +28,7 @@ from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
 from gcache.meta.handles import GONE, Entries, Ghost, Store
-from gcache.meta.leaves import float_ticks
+from gcache.meta.leaves import float_tick, float_ticks
 from gcache.meta.quarantine import Quarantine
 from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.session import Principal
@@ -268,10 +268,13 @@ class Index:
         atimes: npt.NDArray[np.float64],
         owner: str = "",
         tier: int = 0,
+        refresh: bool = True,
     ) -> I32:
         """Objects of ``group`` of blocks ``bids`` (none there yet) on ``srv``, each
         ``length`` bytes, counted in every total. The caller admits them
-        (:meth:`admit`) once everything of its batch is added."""
+        (:meth:`admit`) once everything of its batch is added. ``refresh=False``:
+        the eviction order is not told yet (the caller does it once for several
+        batches, :meth:`settle`)."""
         n = len(bids)
         if not n:
             return np.empty(0, dtype=np.int32)
@@ -284,7 +287,7 @@ class Index:
         ticks = float_ticks(pol.keys(atimes, np.zeros(n, dtype=np.float32)))
         oids = self.cx.add_objects(
             bids, group, slot, offs, np.full(n, length, dtype=np.uint32), sums, ticks, tier,
-            st.owner_id(owner),
+            st.owner_id(owner), refresh,
         )  # fmt: skip
         o.cols["atime"][oids] = atimes
         st.rows_named(slot, n)
@@ -301,9 +304,19 @@ class Index:
             self.tenant_bytes[owner] += total
         return oids
 
-    def admit(self, ns: NamespaceRecord, oids: I32) -> None:
+    def settle(self, oids: I32) -> None:
+        """Objects added with ``refresh=False`` enter the eviction order (with
+        their parents' full objects, which may have stopped being leaves)."""
+        if oids.size:
+            cx = self.cx
+            blocks = cx.objects.cols["block"][oids]
+            cx.leaves.refresh(np.concatenate([oids, cx.leaves.parents_full(blocks)]))
+
+    def admit(self, ns: NamespaceRecord, oids: I32, ordered: bool = True) -> None:
         """Newly added objects, for the policies that score them (once every
-        object of the put or chunk is added, so they see the final tree)."""
+        object of the put or chunk is added, so they see the final tree).
+        ``ordered``: objects whose keys tie rank in the order given (a put's;
+        a report's objects have distinct access times)."""
         if not oids.size:
             return
         tiers = self.cx.objects.cols["tier"][oids]
@@ -312,7 +325,7 @@ class Index:
             if p.events:
                 for oid in mine.tolist():
                     p.admit(self.store.obj(oid), ns)
-            elif mine.size:  # ties of the key rank in the order given
+            elif mine.size and ordered:  # ties of the key rank in the order given
                 self.cx.leaves.heaps[t].reseq(mine)
 
     def record(self, ns: NamespaceRecord, obj: ObjectRecord) -> None:
@@ -556,7 +569,10 @@ class Index:
             return
         o = self.cx.objects.cols
         o["atime"][oids] = now
-        self.cx.retick(oids, self.ticks(oids))
+        if self._policies[0].by_access and self._policies[1].by_access:
+            self.cx.touch(oids, float_tick(now))  # one key for all of them
+        else:
+            self.cx.retick(oids, self.ticks(oids))
         for p in self._policies:
             if p.events:
                 p.accessed(oids, ns, now)

@@ -13,6 +13,7 @@ import numpy.typing as npt
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_NO_SPACE, Refusal
+from gcache.meta.compact import SMALL
 from gcache.meta.ids import IdSource, wall_ms
 from gcache.meta.index import Index
 from gcache.meta.records import Lease, NamespaceRecord, ObjectRecord
@@ -66,12 +67,24 @@ class Leases:
         self.index.pin(picked)
         cx = self.index.cx
         o, b = cx.objects.cols, cx.blocks.cols
-        slots = o["server"][picked].tolist()
-        offs = o["offset"][picked].tolist()
-        lens = o["length"][picked].tolist()
-        tiers = o["tier"][picked].tolist()
-        groups = o["group"][picked].tolist()
-        pos = b["pos"][o["block"][picked]].tolist()
+        if picked.size <= SMALL:  # (a few: scalar reads, no array calls)
+            ids = picked.tolist()
+            cs, co, cl, ct, cg, cb, bp = (
+                o["server"], o["offset"], o["length"], o["tier"], o["group"], o["block"], b["pos"]
+            )  # fmt: skip
+            slots = [int(cs[i]) for i in ids]
+            offs = [int(co[i]) for i in ids]
+            lens = [int(cl[i]) for i in ids]
+            tiers = [int(ct[i]) for i in ids]
+            groups = [int(cg[i]) for i in ids]
+            pos = [int(bp[cb[i]]) for i in ids]
+        else:
+            slots = o["server"][picked].tolist()
+            offs = o["offset"][picked].tolist()
+            lens = o["length"][picked].tolist()
+            tiers = o["tier"][picked].tolist()
+            groups = o["group"][picked].tolist()
+            pos = b["pos"][o["block"][picked]].tolist()
         sums = self._sums(picked)
         table = self.index.store.servers
         mint, read, Grant, Loc = capability.mint, capability.KIND_READ, wire.Grant, wire.ObjectLoc
@@ -102,6 +115,8 @@ class Leases:
     def _sums(self, oids: I32) -> list[bytes]:
         """Each object's checksums, read per checksum width as one block of bytes."""
         cx = self.index.cx
+        if oids.size <= 16:  # (a few: one by one, no array calls)
+            return [cx.sums(oid) for oid in oids.tolist()]
         o = cx.objects.cols
         widths = o["sums_len"][oids]
         slots = o["sums_slot"][oids]
@@ -126,18 +141,26 @@ class Leases:
         keys_ = key_list[:limit] if limit < len(key_list) else key_list
         cx = self.index.cx
         bids = cx.find_keys(ns.ns_id, keys_) if keys_ else np.empty(0, dtype=np.int32)
-        gaps = np.flatnonzero(bids < 0)
-        n = int(gaps[0]) if gaps.size else len(keys_)
         fg = ns.full_group
         obj = cx.blocks.cols["obj"]
-        if fg is not None and n:
-            # Entries are prefix-closed; a full object missing ends the match there.
-            holes = np.flatnonzero(obj[bids[:n], fg] < 0)
-            if holes.size:
-                n = int(holes[0])
         layout = ns.layout
-        rows = obj[bids[:n]] if n else obj[:0]
-        p = layout.valid_match(n, lambda j, g: bool(rows[j, g] >= 0))
+        if len(keys_) <= SMALL:  # (a few: scalar work, no array calls)
+            ids = bids.tolist()
+            n = ids.index(-1) if -1 in ids else len(ids)
+            few = obj[bids[:n]].tolist()
+            if fg is not None:
+                # Entries are prefix-closed; a full object missing ends the match there.
+                n = next((j for j in range(n) if few[j][fg] < 0), n)
+            p = layout.valid_match(n, lambda j, g: few[j][g] >= 0)
+        else:
+            gaps = np.flatnonzero(bids < 0)
+            n = int(gaps[0]) if gaps.size else len(keys_)
+            if fg is not None and n:
+                holes = np.flatnonzero(obj[bids[:n], fg] < 0)
+                if holes.size:
+                    n = int(holes[0])
+            rows = obj[bids[:n]] if n else obj[:0]
+            p = layout.valid_match(n, lambda j, g: bool(rows[j, g] >= 0))
         c = self.counters
         c["lookups"] += 1
         c["lookup_blocks"] += limit
@@ -150,13 +173,25 @@ class Leases:
         block), touched (a reuse) for the policy, then shown to ``on_pick``."""
         layout = ns.layout
         obj = self.index.cx.blocks.cols["obj"]
-        parts = []
-        for g in range(layout.num_groups):
-            w = layout.window_blocks(g, p)
-            if len(w):
-                parts.append(obj[bids[w.start : w.stop], g])
-        picked = np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32)
-        assert not (picked < 0).any()
+        if p <= SMALL:  # (a few: scalar work, no array calls)
+            ids = bids[:p].tolist()
+            picked = np.array(
+                [
+                    int(obj[ids[j], g])
+                    for g in range(layout.num_groups)
+                    for j in layout.window_blocks(g, p)
+                ],
+                dtype=np.int32,
+            )
+        else:
+            parts = []
+            for g in range(layout.num_groups):
+                w = layout.window_blocks(g, p)
+                if len(w):
+                    parts.append(obj[bids[w.start : w.stop], g])
+            picked = np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32)
+        if picked.size and int(picked.min()) < 0:
+            raise AssertionError("a match names an object that is not there")
         self.index.touch(picked, ns, now)
         self.on_pick(ns, picked)
         return picked

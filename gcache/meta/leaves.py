@@ -16,6 +16,7 @@ its parent's full object. No I/O.
 
 from __future__ import annotations
 
+import struct
 from typing import Final
 
 import numpy as np
@@ -44,6 +45,14 @@ def float_ticks(x: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     return out
 
 
+def float_tick(x: float) -> int:
+    """:func:`float_ticks` of one float, without arrays."""
+    if x != x:
+        raise ValueError("a NaN eviction key")
+    u: int = struct.unpack("<Q", struct.pack("<d", x + 0.0))[0]
+    return (~u & 0xFFFF_FFFF_FFFF_FFFF) if u >> 63 else u | (1 << 63)
+
+
 class Leaves:
     def __init__(self, blocks: RowTable, objects: RowTable, native: bool = True) -> None:
         self.blocks = blocks  # "ns", "children", "hot", "obj" columns
@@ -68,29 +77,38 @@ class Leaves:
         return out
 
     def evictable1(self, oid: int) -> bool:
-        o, b = self.objects.cols, self.blocks.cols
-        bid = int(o["block"][oid])
-        if bid < 0 or o["pins"][oid]:
+        block, pins, group, tier = self.objects.views("block", "pins", "group", "tier")
+        bid = block[oid]
+        if bid < 0 or pins[oid]:
             return False
-        if int(o["group"][oid]) != self.full[b["ns"][bid]]:
+        ns, hot, children = self.blocks.views("ns", "hot", "children")
+        if group[oid] != self.full[ns[bid]]:
             return True
-        return int(b["hot"][bid] if o["tier"][oid] == 0 else b["children"][bid]) == 0
+        return bool((hot[bid] if tier[oid] == 0 else children[bid]) == 0)
 
     def refresh1(self, oid: int) -> None:
         """Put ``oid`` into its tier's heap or take it out, as it is now evictable
         or not (-1: none, ignored)."""
         if self.bulk or oid < 0:
             return
-        o = self.objects.cols
-        want, has = self.evictable1(oid), o["hpos"][oid] >= 0
+        want = self.evictable1(oid)
+        hpos, tier = self.objects.views("hpos", "tier")
+        has = hpos[oid] >= 0
         if want and not has:
-            self.heaps[int(o["tier"][oid])].push(oid)
+            self.heaps[tier[oid]].push(oid)
         elif has and not want:
-            self.heaps[int(o["tier"][oid])].remove(oid)
+            self.heaps[tier[oid]].remove(oid)
 
     def refresh(self, oids: I32) -> None:
         """:meth:`refresh1` for many objects (-1 entries ignored), vectorised."""
         if self.bulk or not oids.size:
+            return
+        if oids.size <= 16:  # (a few: one by one, no array calls)
+            seen: set[int] = set()
+            for oid in oids.tolist():
+                if oid >= 0 and oid not in seen:
+                    seen.add(oid)
+                    self.refresh1(oid)
             return
         oids = oids[oids >= 0]
         if oids.size > 1:  # each once, in the order given (their pushes' order)

@@ -5,7 +5,7 @@ the rows, not the capacity. No I/O."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -47,9 +47,32 @@ class RowTable:
         self.free = np.empty(0, dtype=np.int32)
         self.nfree = 0
         self.cols: dict[str, np.ndarray] = {}
+        self._mv: dict[str, Any] = {}  # flat memoryviews of the columns
+        self._views: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self._grow(MIN_ROWS)
 
+    def views(self, *names: str) -> tuple[Any, ...]:
+        """:meth:`mv` of several columns at once (one call for a scalar path)."""
+        v = self._views.get(names)
+        if v is None:
+            v = self._views[names] = tuple(self.mv(n) for n in names)
+        return v
+
+    def mv(self, name: str) -> Any:
+        """Column ``name`` as a flat memoryview (a 2-D column row-major): element
+        reads and writes twice as fast as a numpy scalar's, giving Python numbers.
+        Valid until the table grows (:meth:`take` of new rows, :meth:`widen`):
+        for scalar work between two such calls."""
+        v = self._mv.get(name)
+        if v is None:
+            arr = self.cols[name]
+            raw: Any = memoryview(arr.data).cast("B")  # (typeshed: a cast to one letter)
+            v = self._mv[name] = raw.cast(arr.dtype.char)
+        return v
+
     def _grow(self, cap: int) -> None:
+        self._mv.clear()
+        self._views.clear()
         for name, (dtype, width) in self.spec.items():
             shape = (cap, width) if width else (cap,)
             new = np.empty(shape, dtype=dtype)
@@ -84,6 +107,8 @@ class RowTable:
             return
         new = np.full((self.cap, width), value, dtype=dtype)
         new[: self.rows, :old] = self.cols[name][: self.rows]
+        self._mv.clear()
+        self._views.clear()
         self.cols[name] = new
         self.spec[name] = (dtype, width)
 

@@ -44,7 +44,7 @@ class TickHeap:
         return int(self.heap[0]) if self.size else -1
 
     def push(self, row: int) -> None:
-        self.rows.cols["hseq"][row] = self.seq
+        self.rows.mv("hseq")[row] = self.seq
         self.seq += 1
         self._push(row)
 
@@ -54,7 +54,7 @@ class TickHeap:
             grown[: self.size] = self.heap[: self.size]
             self.heap = grown
         self.heap[self.size] = row
-        self.rows.cols["hpos"][row] = self.size
+        self.rows.mv("hpos")[row] = self.size
         self.size += 1
         self._fix(self.size - 1)
 
@@ -78,8 +78,8 @@ class TickHeap:
 
     def remove(self, row: int) -> None:
         """Take ``row`` out (it must be in the heap)."""
-        hpos = self.rows.cols["hpos"]
-        i = int(hpos[row])
+        hpos = self.rows.mv("hpos")
+        i = hpos[row]
         hpos[row] = -1
         self.size -= 1
         if i == self.size:
@@ -92,9 +92,9 @@ class TickHeap:
     def rekey(self, row: int) -> None:
         """``row``'s tick changed (or it was used again): it ranks after every row
         of its tick pushed before; restore the heap order around it."""
-        self.rows.cols["hseq"][row] = self.seq
+        self.rows.mv("hseq")[row] = self.seq
         self.seq += 1
-        self._fix(int(self.rows.cols["hpos"][row]))
+        self._fix(self.rows.mv("hpos")[row])
 
     def reseq(self, rows: I32) -> None:
         """Rows in the heap rank, among equal ticks, in the order given (after

@@ -64,6 +64,7 @@ class BeladyPolicy:
 
     name = "belady"
     events = True
+    by_access = False
 
     def __init__(self, oracle: Oracle) -> None:
         self.oracle = oracle

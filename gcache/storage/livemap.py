@@ -87,7 +87,8 @@ class LiveMap:
             return
         if len(units) and (int(units.min()) < 0 or int(units.max()) > MAX_KEY):
             raise ValueError("live map: unit out of range")
-        self._rehash(max(_MIN, 3 * (self.n + len(units))))
+        if 2 * (self.n + self.tombs + len(units)) > self.keys.size:
+            self._rehash(max(_MIN, 3 * (self.n + len(units))))
         assert self.k is not None
         put = self.k.live_put
         keys, vals = self.keys, self.vals
@@ -95,6 +96,15 @@ class LiveMap:
         for u, s in zip(units.tolist(), sizes.tolist(), strict=True):
             added += put(keys, vals, u, s) == 1
         self.n += added
+
+    def get_many(self, units: list[int]) -> list[int]:
+        """:meth:`get` of each (-1: not there)."""
+        if self._dict is not None:
+            d = self._dict
+            return [d.get(u, -1) for u in units]
+        assert self.k is not None
+        get, keys, vals = self.k.live_get, self.keys, self.vals
+        return [get(keys, vals, u) for u in units]
 
     def _rehash(self, size: int) -> None:
         """Into a table of at least ``size`` slots (a power of two), without the
