@@ -212,12 +212,12 @@ class CompactIndex:
             if int(b["ns"][parent]) != ns:
                 raise CompactIndexError(f"parent {parent} is in another namespace")
         self.keys.fit(self.live_blocks + 1)
-        bid = int(self.blocks.take(1)[0])
+        bid = self.blocks.take1()
         b = self.blocks.cols
         b["k0"][bid] = int.from_bytes(key[:8], "little")
         b["k1"][bid] = int.from_bytes(key[8:], "little")
         b["ns"][bid], b["parent"][bid], b["pos"][bid] = ns, parent, pos
-        self.keys.place(np.array([bid], dtype=np.int32))
+        self.keys.place1(bid)
         self.live_blocks += 1
         if parent >= 0:
             b["children"][parent] += 1
@@ -300,16 +300,39 @@ class CompactIndex:
         tick: int,
         tier: int = 0,
         owner: int = 0,
+        refresh: bool = True,
     ) -> int:
-        """Record the object of ``group`` of block ``bid``; returns its id."""
-        width = len(sums)
-        (oid,) = self.add_objects(
-            np.array([bid], dtype=np.int32), group, server,
-            np.array([offset], dtype=np.uint64), np.array([length], dtype=np.uint32),
-            np.frombuffer(sums, dtype=np.uint8).reshape(1, width), np.array([tick], np.uint64),
-            tier, owner,
+        """Record the object of ``group`` of block ``bid``; returns its id
+        (:meth:`add_objects` of one, without arrays)."""
+        bt = self.blocks
+        bns, bpar, bhot = bt.views("ns", "parent", "hot")
+        if not 0 <= bid < bt.rows or bns[bid] == 0xFFFF:
+            raise CompactIndexError("unknown block ids")
+        bobj = bt.mv("obj")
+        at = bid * self.groups + group
+        if not 0 <= group < self.groups or bobj[at] >= 0:
+            raise CompactIndexError(f"group {group}: no such group, or an object is there")
+        if tier not in (0, 1):
+            raise CompactIndexError(f"tier {tier}: 0 (DRAM) or 1 (NVMe)")
+        oid = self.objects.take1()
+        o = self.objects.views(
+            "block", "group", "tier", "server", "offset", "length", "tick", "owner",
+            "sums_len", "sums_slot",
         )  # fmt: skip
-        return int(oid)
+        o[0][oid], o[1][oid], o[2][oid], o[3][oid] = bid, group, tier, server
+        o[4][oid], o[5][oid], o[6][oid], o[7][oid] = offset, length, tick, owner
+        o[8][oid], o[9][oid] = len(sums), self.sums_slabs.put1(sums)
+        bobj[at] = oid
+        self.live_objects += 1
+        full = int(self.leaves.full[bns[bid]])
+        parent = bpar[bid]
+        if tier == 0 and full == group and parent >= 0:  # a DRAM full object: hot
+            bhot[parent] += 1
+        if refresh:
+            self.leaves.refresh1(oid)
+            if parent >= 0 and full != NO_FULL:
+                self.leaves.refresh1(bobj[parent * self.groups + full])
+        return oid
 
     def add_objects(
         self,

@@ -23,7 +23,7 @@ from gcache.config import MetaConfig
 from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, Refusal
 from gcache.keys import KEY_SIZE
 from gcache.layout import Layout
-from gcache.meta.compact import DETACHED, LEAVING_DRAM
+from gcache.meta.compact import DETACHED, LEAVING_DRAM, SMALL
 from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
@@ -200,9 +200,24 @@ class Index:
     def ensure_chain(self, ns: NamespaceRecord, key_list: list[bytes]) -> I32:
         """The blocks of a prompt's keys (each the parent of the next), created
         where missing; returns their ids."""
-        before = self.cx.live_blocks
-        bids = self.cx.add_chain(ns.ns_id, key_list)
-        self._created(ns, self.cx.live_blocks - before)
+        cx = self.cx
+        if len(key_list) <= SMALL:  # (a few: scalar probes, one by one)
+            find, nsid = cx.keys.find1, ns.ns_id
+            ids = [find(nsid, k) for k in key_list]
+            if -1 in ids and ids.index(-1) + ids.count(-1) == len(ids):  # missing: the end
+                made = 0
+                for i in range(ids.index(-1), len(ids)):
+                    ids[i] = cx.add_block1(nsid, key_list[i], ids[i - 1] if i else -1, i)
+                    made += 1
+                self._created(ns, made)
+            if -1 not in ids:
+                return np.array(ids, dtype=np.int32)
+        bids = cx.find_keys(ns.ns_id, key_list)
+        if not (bids < 0).any():
+            return bids
+        before = cx.live_blocks
+        bids = cx.add_chain(ns.ns_id, key_list)
+        self._created(ns, cx.live_blocks - before)
         return bids
 
     def ensure_entry(self, ns: NamespaceRecord, key_list: list[bytes], block: int) -> BlockEntry:
@@ -280,16 +295,34 @@ class Index:
             return np.empty(0, dtype=np.int32)
         st = self.store
         slot = st.slot_of(srv)
-        offs = np.asarray(offsets, dtype=np.uint64)
         o = self.cx.objects
         # (the ticks are the policy's keys of these access times and a zero score)
         pol = self._policies[1 if tier else 0]
-        ticks = float_ticks(pol.keys(atimes, np.zeros(n, dtype=np.float32)))
-        oids = self.cx.add_objects(
-            bids, group, slot, offs, np.full(n, length, dtype=np.uint32), sums, ticks, tier,
-            st.owner_id(owner), refresh,
-        )  # fmt: skip
-        o.cols["atime"][oids] = atimes
+        oid_of = st.owner_id(owner)
+        if n <= SMALL:  # (a few: one by one, no array calls)
+            out = []
+            add = self.cx.add_object
+            for bid, off, row, at in zip(
+                bids.tolist(), list(offsets), sums, atimes.tolist(), strict=True
+            ):
+                tick = (
+                    float_tick(at)
+                    if pol.by_access
+                    else int(float_ticks(pol.keys(np.array([at]), np.zeros(1, np.float32)))[0])
+                )
+                oid = add(bid, group, slot, int(off), length, row.tobytes(), tick, tier, oid_of,
+                          refresh)  # fmt: skip
+                o.mv("atime")[oid] = at
+                out.append(oid)
+            oids = np.array(out, dtype=np.int32)
+        else:
+            offs = np.asarray(offsets, dtype=np.uint64)
+            ticks = float_ticks(pol.keys(atimes, np.zeros(n, dtype=np.float32)))
+            oids = self.cx.add_objects(
+                bids, group, slot, offs, np.full(n, length, dtype=np.uint32), sums, ticks, tier,
+                oid_of, refresh,
+            )  # fmt: skip
+            o.cols["atime"][oids] = atimes
         st.rows_named(slot, n)
         total = n * length
         srv.objects += n
@@ -312,12 +345,59 @@ class Index:
             blocks = cx.objects.cols["block"][oids]
             cx.leaves.refresh(np.concatenate([oids, cx.leaves.parents_full(blocks)]))
 
+    def add_object(
+        self,
+        ns: NamespaceRecord,
+        bid: int,
+        group: int,
+        srv: ServerRecord,
+        offset: int,
+        length: int,
+        sums: bytes,
+        atime: float,
+        owner: str = "",
+        tier: int = 0,
+    ) -> int:
+        """:meth:`add_objects` of one object, without arrays (a small put)."""
+        st = self.store
+        slot = st.slot_of(srv)
+        pol = self._policies[1 if tier else 0]
+        tick = (
+            float_tick(atime)
+            if pol.by_access
+            else int(float_ticks(pol.keys(np.array([atime]), np.zeros(1, np.float32)))[0])
+        )
+        oid = self.cx.add_object(
+            bid, group, slot, offset, length, sums, tick, tier, st.owner_id(owner)
+        )
+        self.cx.objects.mv("atime")[oid] = atime
+        st.rows_named(slot, 1)
+        srv.objects += 1
+        if tier:
+            srv.nvme_bytes += length
+            srv.nvme_count += 1
+        if group == ns.full_group:
+            ns.full_holes -= 1
+        self.live_bytes += length
+        self.group_bytes[ns.layout.group_names[group]] += length
+        if owner:
+            self.tenant_bytes[owner] += length
+        return oid
+
     def admit(self, ns: NamespaceRecord, oids: I32, ordered: bool = True) -> None:
         """Newly added objects, for the policies that score them (once every
         object of the put or chunk is added, so they see the final tree).
         ``ordered``: objects whose keys tie rank in the order given (a put's;
         a report's objects have distinct access times)."""
         if not oids.size:
+            return
+        pol0, pol1 = self._policies
+        if oids.size <= SMALL and not (pol0.events or pol1.events):
+            if ordered:  # (a few, LRU: ties of the key rank in the order given)
+                tier = self.cx.objects.mv("tier")
+                heaps = self.cx.leaves.heaps
+                for oid in oids.tolist():
+                    heaps[tier[oid]].reseq1(oid)
             return
         tiers = self.cx.objects.cols["tier"][oids]
         for t, p in enumerate(self._policies):

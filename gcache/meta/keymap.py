@@ -164,6 +164,20 @@ class KeyMap:
             left[won] = False
             ids, h = ids[left], (h[left] + np.uint64(1)) & mask
 
+    def place1(self, bid: int) -> None:
+        """:meth:`place` of one block, without arrays."""
+        b = self.blocks
+        k0 = int(b.cols["k0"][bid])
+        ns = int(b.cols["ns"][bid])
+        table = self.table
+        mask = table.size - 1
+        h = (k0 ^ ns_mix(ns)) & mask
+        while table[h] >= 0:
+            h = (h + 1) & mask
+        if table[h] == TOMB:
+            self.tombs -= 1
+        table[h] = bid
+
     def remove(self, bid: int) -> None:
         """Take block ``bid``'s key out (a tombstone in its slot)."""
         b = self.blocks.cols

@@ -13,6 +13,7 @@ import numpy as np
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_PUT, Refusal
+from gcache.meta.compact import SMALL
 from gcache.meta.ids import new_id, wall_ms
 from gcache.meta.index import Index
 from gcache.meta.membership import Membership
@@ -234,6 +235,8 @@ class Puts:
             self.counters["puts_committed"] += 1
             return 0
         bids = index.ensure_chain(ns, key_list[: last + 1])
+        if len(keep) <= SMALL:  # (a few: one by one, no array calls)
+            return self._commit_few(ns, keep, bids, now, owner, hold_until, record, touched)
         obj = index.cx.blocks.cols["obj"]
         # Batches per (group, server); each object keeps its place in the put
         # (block by block: the order the policy admits them in).
@@ -275,6 +278,41 @@ class Puts:
                 index.record(ns, index.obj(oid))
         # Admit once everything is added, so the policy sees the final tree.
         index.admit(ns, oids)
+        self.counters["puts_committed"] += 1
+        self.counters["objects_committed"] += len(oids)
+        for srv in touched.values():
+            self.check_watermark(srv)
+        return len(oids)
+
+    def _commit_few(
+        self,
+        ns: NamespaceRecord,
+        keep: list[tuple[int, int, ServerRecord, int, int, bytes]],
+        bids: np.ndarray,
+        now: float,
+        owner: str,
+        hold_until: float | None,
+        record: bool,
+        touched: dict[str, ServerRecord],
+    ) -> int:
+        """:meth:`commit` of a few objects, one by one (in placement order)."""
+        index = self.index
+        obj, width = index.cx.blocks.mv("obj"), index.cx.groups
+        sizes = ns.layout.group_object_bytes
+        ids = bids.tolist()
+        oids: list[int] = []
+        for block, g, srv, off, size, obj_sums in keep:
+            bid = ids[block]
+            if obj[bid * width + g] >= 0:  # a concurrent put committed it first
+                self._put_back(srv, off, size, hold_until)
+                self.counters["objects_deduped"] += 1
+                continue
+            oids.append(index.add_object(ns, bid, g, srv, off, sizes[g], obj_sums, now, owner))
+            touched[srv.server_id] = srv
+        if record:
+            for oid in oids:
+                index.record(ns, index.obj(oid))
+        index.admit(ns, np.array(oids, dtype=np.int32))
         self.counters["puts_committed"] += 1
         self.counters["objects_committed"] += len(oids)
         for srv in touched.values():

@@ -100,6 +100,22 @@ class RowTable:
             self.cols[name][ids] = value
         return ids
 
+    def take1(self) -> int:
+        """One row id (:meth:`take` without arrays)."""
+        if self.nfree:
+            self.nfree -= 1
+            row = int(self.free[self.nfree])
+        else:
+            if self.rows + 1 > self.cap:
+                self._grow(2 * self.cap)
+            row = self.rows
+            self.rows += 1
+            for name, value in self.init.items():
+                self.mv(name)[row] = value
+        for name, value in self.fill.items():
+            self.cols[name][row] = value
+        return row
+
     def widen(self, name: str, width: int, value: int) -> None:
         """Column ``name`` (2-D) grows to ``width`` per row, new cells ``value``."""
         dtype, old = self.spec[name]
@@ -155,6 +171,18 @@ class Slabs:
         slots = slab.take(n)
         slab.cols["s"][slots] = rows
         return slots
+
+    def put1(self, data: bytes) -> int:
+        """Store one byte string; returns its slot (-1 for an empty one)."""
+        width = len(data)
+        if not width:
+            return -1
+        slab = self.slabs.get(width)
+        if slab is None:
+            slab = self.slabs[width] = RowTable({"s": ("u1", width)}, {})
+        slot = slab.take1()
+        slab.mv("s")[slot * width : (slot + 1) * width] = data
+        return slot
 
     def get(self, width: int, slot: int) -> bytes:
         return self.slabs[width].cols["s"][slot].tobytes() if width else b""

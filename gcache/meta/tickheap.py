@@ -96,6 +96,11 @@ class TickHeap:
         self.seq += 1
         self._fix(self.rows.mv("hpos")[row])
 
+    def reseq1(self, row: int) -> None:
+        """:meth:`reseq` of one row (if it is in the heap)."""
+        if self.rows.mv("hpos")[row] >= 0:
+            self.rekey(row)
+
     def reseq(self, rows: I32) -> None:
         """Rows in the heap rank, among equal ticks, in the order given (after
         every row pushed before): a batch admitted out of its order."""
