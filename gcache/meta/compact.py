@@ -554,18 +554,23 @@ class CompactIndex:
         o = self.objects.cols
         return self.sums_slabs.get(int(o["sums_len"][oid]), int(o["sums_slot"][oid]))
 
-    def touch(self, oids: I32, tick: int) -> None:
-        """Mark objects used at ``tick`` (a lookup's hits): later victims."""
+    def touch(self, oids: I32, tick: int, atime: float | None = None) -> None:
+        """Mark objects used at ``tick`` (a lookup's hits): later victims.
+        ``atime``: their access time too."""
         heaps = self.leaves.heaps
         if oids.size <= SMALL:  # (a few: scalar work, no array calls)
-            ticks, hpos, tier = self.objects.views("tick", "hpos", "tier")
+            ticks, hpos, tier, at = self.objects.views("tick", "hpos", "tier", "atime")
             for oid in oids.tolist():
                 ticks[oid] = tick
+                if atime is not None:
+                    at[oid] = atime
                 if hpos[oid] >= 0:
                     heaps[tier[oid]].rekey(oid)
             return
         c = self.objects.cols
         c["tick"][oids] = tick
+        if atime is not None:
+            c["atime"][oids] = atime
         for oid in oids[c["hpos"][oids] >= 0].tolist():
             heaps[int(c["tier"][oid])].rekey(oid)
 

@@ -647,11 +647,10 @@ class Index:
         """A lookup read ``oids`` at ``now``: a reuse, for their tiers' policies."""
         if not oids.size:
             return
-        o = self.cx.objects.cols
-        o["atime"][oids] = now
         if self._policies[0].by_access and self._policies[1].by_access:
-            self.cx.touch(oids, float_tick(now))  # one key for all of them
+            self.cx.touch(oids, float_tick(now), now)  # one key for all of them
         else:
+            self.cx.objects.cols["atime"][oids] = now
             self.cx.retick(oids, self.ticks(oids))
         for p in self._policies:
             if p.events:

@@ -69,15 +69,16 @@ class Leases:
         o, b = cx.objects.cols, cx.blocks.cols
         if picked.size <= SMALL:  # (a few: scalar reads, no array calls)
             ids = picked.tolist()
-            cs, co, cl, ct, cg, cb, bp = (
-                o["server"], o["offset"], o["length"], o["tier"], o["group"], o["block"], b["pos"]
-            )  # fmt: skip
-            slots = [int(cs[i]) for i in ids]
-            offs = [int(co[i]) for i in ids]
-            lens = [int(cl[i]) for i in ids]
-            tiers = [int(ct[i]) for i in ids]
-            groups = [int(cg[i]) for i in ids]
-            pos = [int(bp[cb[i]]) for i in ids]
+            cs, co, cl, ct, cg, cb = cx.objects.views(
+                "server", "offset", "length", "tier", "group", "block"
+            )
+            bp = cx.blocks.mv("pos")
+            slots = [cs[i] for i in ids]
+            offs = [co[i] for i in ids]
+            lens = [cl[i] for i in ids]
+            tiers = [ct[i] for i in ids]
+            groups = [cg[i] for i in ids]
+            pos = [bp[cb[i]] for i in ids]
         else:
             slots = o["server"][picked].tolist()
             offs = o["offset"][picked].tolist()
@@ -116,7 +117,17 @@ class Leases:
         """Each object's checksums, read per checksum width as one block of bytes."""
         cx = self.index.cx
         if oids.size <= 16:  # (a few: one by one, no array calls)
-            return [cx.sums(oid) for oid in oids.tolist()]
+            widths, slots = cx.objects.views("sums_len", "sums_slot")
+            slabs = cx.sums_slabs.slabs
+            out1 = []
+            for oid in oids.tolist():
+                w = widths[oid]
+                if not w:
+                    out1.append(b"")
+                    continue
+                at = slots[oid] * w
+                out1.append(bytes(slabs[w].mv("s")[at : at + w]))
+            return out1
         o = cx.objects.cols
         widths = o["sums_len"][oids]
         slots = o["sums_slot"][oids]
@@ -175,9 +186,10 @@ class Leases:
         obj = self.index.cx.blocks.cols["obj"]
         if p <= SMALL:  # (a few: scalar work, no array calls)
             ids = bids[:p].tolist()
+            flat, width = self.index.cx.blocks.mv("obj"), self.index.cx.groups
             picked = np.array(
                 [
-                    int(obj[ids[j], g])
+                    flat[ids[j] * width + g]
                     for g in range(layout.num_groups)
                     for j in layout.window_blocks(g, p)
                 ],
