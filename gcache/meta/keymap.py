@@ -2,8 +2,9 @@
 blocks' :class:`~gcache.meta.rowtable.RowTable`, with their namespace id) to block
 ids, in an open-addressing table of ``int32`` ids with linear probing. The hash is
 the key's first 8 bytes mixed with the namespace (block keys are chained hashes
-already). The table stays at most half full, tombstones counted; a removal leaves
-a tombstone, and once they pass a quarter of the table it is rehashed. Probes for
+already). The table stays at most half full, tombstones counted (a rehash makes
+it 25-50 % full); a removal leaves a tombstone, and once they pass a quarter of
+the table it is rehashed. Probes for
 many keys run as one numpy loop (a prompt, a report chunk); ``find1`` probes one
 key (a lookup's binary search), in C when the native kernels are built
 (``gcache._native.INDEX_KERNELS``), else with scalar reads. No I/O."""
@@ -196,11 +197,12 @@ class KeyMap:
     def fit(self, live: int) -> None:
         """Make room for ``live`` keys: keep the table at most half full
         (tombstones counted) and its tombstones under a quarter of it, rehashing
-        into a table of at least 4x ``live`` when either would be passed."""
+        into a table of at least 2x ``live`` (so 25-50 % full: 8-16 B a key)
+        when either would be passed."""
         size = self.table.size
         if 2 * (live + self.tombs) <= size and 4 * self.tombs <= size:
             return
-        while size < 4 * live:
+        while size < 2 * live + 2:
             size *= 2
         ids = self.table[self.table >= 0]
         self.table = np.full(size, EMPTY, dtype=np.int32)

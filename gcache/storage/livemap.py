@@ -3,10 +3,10 @@ its size (in units), for :class:`~gcache.storage.allocator.SegmentAllocator`.
 
 The meta keeps one allocator per server and a live range per DRAM object, tens
 of millions of them in a fleet: a dict of Python ints costs about 75 B a range.
-This map is two ``uint32`` arrays in open addressing (16-48 B a range: a slot
-is 8 B, the table 2-6x the ranges), probed in C (``gcache._native.INDEX_KERNELS``);
-without the native kernels (``GCACHE_NATIVE=0``) it is a dict with the same
-behaviour. No I/O."""
+This map is two ``uint32`` arrays in open addressing (11-22 B a range: a slot
+is 8 B, the table 4/3-8/3 of the ranges: at most 3/4 full), probed in C
+(``gcache._native.INDEX_KERNELS``); without the native kernels
+(``GCACHE_NATIVE=0``) it is a dict with the same behaviour. No I/O."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ MAX_KEY = 0xFFFFFFFD  # keys are stored + 1; two values are markers
 
 class LiveMap:
     """``unit -> size`` with ``get``, ``put``, ``pop``; bounded only by what is
-    put (the table stays at most half full, removed slots counted)."""
+    put (the table stays at most 3/4 full, removed slots counted)."""
 
     def __init__(self, native: bool = True) -> None:
         self.k = INDEX_KERNELS if native else None
@@ -51,8 +51,8 @@ class LiveMap:
             self._dict[unit] = size
             return
         assert self.k is not None
-        if 2 * (self.n + self.tombs + 1) > self.keys.size:
-            self._rehash(max(_MIN, 3 * (self.n + 1)))
+        if 4 * (self.n + self.tombs + 1) > 3 * self.keys.size:
+            self._rehash(max(_MIN, (4 * (self.n + 1)) // 3 + 1))
         got = self.k.live_put(self.keys, self.vals, unit, size)
         if got < 0:  # (the table is never full at this load)
             raise RuntimeError("live map: no free slot")
@@ -87,8 +87,8 @@ class LiveMap:
             return
         if len(units) and (int(units.min()) < 0 or int(units.max()) > MAX_KEY):
             raise ValueError("live map: unit out of range")
-        if 2 * (self.n + self.tombs + len(units)) > self.keys.size:
-            self._rehash(max(_MIN, 3 * (self.n + len(units))))
+        if 4 * (self.n + self.tombs + len(units)) > 3 * self.keys.size:
+            self._rehash(max(_MIN, (4 * (self.n + len(units))) // 3 + 1))
         assert self.k is not None
         put = self.k.live_put
         keys, vals = self.keys, self.vals

@@ -34,8 +34,8 @@ def test_live_map_acts_as_a_dict(native: bool, ops: list[tuple[str, int, int]]) 
             assert m.pop(k) == model.pop(k, -1)
         assert len(m) == len(model)
     assert dict(m.items()) == model
-    if native:  # at most half full, removed slots counted
-        assert 2 * (m.n + m.tombs) <= m.keys.size
+    if native:  # at most 3/4 full, removed slots counted
+        assert 4 * (m.n + m.tombs) <= 3 * m.keys.size
 
 
 def test_live_map_bulk_and_bounds() -> None:
@@ -49,4 +49,4 @@ def test_live_map_bulk_and_bounds() -> None:
     with pytest.raises(ValueError):
         m.put(-1, 1)
     if INDEX_KERNELS is not None:
-        assert m.nbytes() <= 8 * 8 * len(units)  # two uint32 a slot, 2-8 slots a range
+        assert m.nbytes() <= 8 * 3 * len(units)  # two uint32 a slot, at most 8/3 a range
