@@ -1,5 +1,7 @@
-"""The compact index (``gcache/meta/compact.py``) against the index ``MetaCore`` runs
-on today, in process, on the same prompts.
+"""The compact index (``gcache/meta/compact.py``) alone against ``MetaCore``, in
+process, on the same prompts. Since 2026-12-07 ``MetaCore`` runs on the compact
+index itself, so the anchor is the meta's own bookkeeping around it (handles,
+totals, leases, grants, the allocators) over the bare data structure.
 
     python -m bench.compact_index [--blocks 1M,10M] [--anchor-blocks 1M] \
         [--python-blocks 1M] [--json FILE]
@@ -27,9 +29,8 @@ checksums, window objects at each prompt's end as ``Layout.groups_to_store`` say
 Each side runs in its own process (RSS is not shared or reused between them). RSS
 per block: VmRSS after the fill minus VmRSS before it (the keys already in memory),
 over the blocks indexed. The compact index also prints the bytes its arrays hold.
-The two differ in scope: the anchor's records also carry the rings per server
-and the allocator books, which the compact index does not hold (its columns do
-hold pins, owners, scores, promotion hits and both tiers' eviction order).
+The two differ in scope: the anchor also holds the allocators' live maps and
+builds each lease's reply (grants, checksums), which the bare index does not.
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ class KeyMap:
     def match(self, ns: int, keys: list[bytes], group: int) -> int:
         """How many leading keys have an object of ``group``, for a group whose
         objects are prefix-closed (the full-attention group: only leaves are
-        evicted): a binary search of :meth:`find1` probes, as the meta's
-        ``present_prefix``. :meth:`prefix` is the general (vectorised) form."""
+        evicted): a binary search of :meth:`find1` probes. :meth:`prefix` is the
+        general (vectorised) form."""
         k = self.kernels
         b = self.blocks.cols  # the blocks' "obj" column: an object id per group
         if k is not None:
