@@ -254,7 +254,7 @@ def run_anchor(n_blocks: int, lookups: int, seed: int) -> dict[str, Any]:
     left = min(EVICT, out["objects"] // 2)
     went_to = left
     for srv in list(core.servers.values()):
-        left -= core.index.evict_pass(srv, max_objects=left // SERVERS + 1)[1]
+        left -= core.evictions.evict_pass(srv, max_objects=left // SERVERS + 1)[1]
     went = went_to - left
     out["evict_us_per_object"] = round((time.perf_counter() - t) / max(1, went) * 1e6, 2)
     return out

@@ -41,6 +41,7 @@ from gcache.layout import Layout, LayoutSpec
 from gcache.meta.adopt import Adoption
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy, make_policy
+from gcache.meta.evictions import Evictions
 from gcache.meta.heartbeat import Heartbeats
 from gcache.meta.index import Index
 from gcache.meta.leases import Leases
@@ -153,14 +154,15 @@ class MetaCore:
         self.removals = RemovalFeed(cfg.event_ring, cfg.max_event_subscribers)
         policy, nvme_policy = make_policy(cfg.eviction_policy), make_policy(cfg.eviction_policy)
         self.index = Index(cfg, c, policy, nvme_policy, self.removals)
-        self.membership = Membership(cfg, c, self.index, epoch)
+        self.evictions = Evictions(self.index)
+        self.membership = Membership(cfg, c, self.index, self.evictions, epoch)
         self.index.outbox_full = self.membership.invalidate
-        self.tiers = Tiers(cfg, c, self.index)
+        self.tiers = Tiers(cfg, c, self.index, self.evictions)
         self.placement = Placement(cfg, c, self.membership, self.tiers.make_room)
         self.pending = Puts(
             cfg, c, self.index, self.membership, self.placement, self.tiers.check_watermark
         )
-        self.promoter = Promoter(cfg, c, self.index, self.tiers.demote_or_drop)
+        self.promoter = Promoter(cfg, c, self.index, self.evictions, self.tiers.demote_or_drop)
         self.leasing = Leases(cfg, c, self.index, self.promoter.on_pick)
         self.heartbeats = Heartbeats(cfg, c, self.membership, self.tiers, self.promoter)
         self.parked = ParkedBooks()
@@ -184,7 +186,7 @@ class MetaCore:
         self.place = self.placement.place
         self.live_capacity = self.membership.live_capacity
         self.stalled = self.membership.stalled
-        self.evict_keys = self.index.evict_keys
+        self.evict_keys = self.evictions.evict_keys
         self.tier_heartbeat = self.heartbeats.tier_heartbeat
         self.tier_stats = self.heartbeats.tier_stats
         self.demoted = self.tiers.demoted

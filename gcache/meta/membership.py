@@ -9,15 +9,24 @@ from collections import Counter
 from gcache import wire
 from gcache.config import MetaConfig
 from gcache.meta.events import SERVER_LOST
+from gcache.meta.evictions import Evictions
 from gcache.meta.index import Index
 from gcache.meta.records import ServerRecord
 
 
 class Membership:
-    def __init__(self, cfg: MetaConfig, counters: Counter[str], index: Index, epoch: int) -> None:
+    def __init__(
+        self,
+        cfg: MetaConfig,
+        counters: Counter[str],
+        index: Index,
+        evictions: Evictions,
+        epoch: int,
+    ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.index = index
+        self.evictions = evictions
         self.epoch = epoch  # carried by every grant of a server registered here
         self.servers: dict[str, ServerRecord] = {}
         self._live: list[ServerRecord] | None = None  # live servers, rebuilt on change
@@ -83,7 +92,7 @@ class Membership:
         self._live = None
         self.counters["servers_dropped"] += 1
         index = self.index
-        index.drop_server_objects(rec, SERVER_LOST)
+        self.evictions.drop_server_objects(rec, SERVER_LOST)
         if rec.slot >= 0:
             index.store.rows_named(rec.slot, 0)  # its slot goes once no row names it
         rec.demoting.clear()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from gcache.config import MetaConfig
 from gcache.errors import PutWait
-from gcache.meta.index import Index
+from gcache.meta.evictions import Evictions
 from gcache.meta.membership import Membership
 from gcache.meta.records import NamespaceRecord, Placed, Plan, ServerRecord
 
@@ -54,11 +54,11 @@ def balance_key(srv: ServerRecord) -> tuple[float, int]:
 MakeRoom = Callable[[ServerRecord, int, Budget], int]
 
 
-def evict_room(index: Index) -> MakeRoom:
+def evict_room(evictions: Evictions) -> MakeRoom:
     """The plain strategy: evict in the DRAM policy's order until the object fits."""
 
     def make_room(srv: ServerRecord, size: int, budget: Budget) -> int:
-        return index.evict(srv, need_contiguous=size, max_bytes=budget.evict)
+        return evictions.evict(srv, need_contiguous=size, max_bytes=budget.evict)
 
     return make_room
 

@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gcache.config import MetaConfig
+from gcache.meta.evictions import Evictions
 from gcache.meta.index import Index
 from gcache.meta.records import LIVE, NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.tiers import MAX_PROMOTIONS_IN_FLIGHT, PROMOTING, Promotion, held
@@ -23,11 +24,13 @@ class Promoter:
         cfg: MetaConfig,
         counters: Counter[str],
         index: Index,
+        evictions: Evictions,
         demote_or_drop: Callable[[ServerRecord, int], int],
     ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.index = index
+        self.evictions = evictions
         # Makes DRAM room as a put's watermark does (``Tiers.demote_or_drop``).
         self.demote_or_drop = demote_or_drop
 
@@ -73,7 +76,7 @@ class Promoter:
             if cfg.demote:
                 self.demote_or_drop(srv, high - need)
             else:
-                self.index.evict(srv, target_used=high - need, max_bytes=4 * need)
+                self.evictions.evict(srv, target_used=high - need, max_bytes=4 * need)
             if srv.reclaimable_used + need > high:
                 c["promotions_no_room"] += 1
                 return False

@@ -44,6 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gcache.config import MetaConfig
+from gcache.meta.evictions import Evictions
 from gcache.meta.index import Index
 from gcache.meta.placement import Budget, evict_room
 from gcache.meta.records import (
@@ -136,14 +137,17 @@ class Tiers:
     """Demotion and the watermarks of both tiers; :meth:`make_room` is placement's
     strategy for a put whose object does not fit."""
 
-    def __init__(self, cfg: MetaConfig, counters: Counter[str], index: Index) -> None:
+    def __init__(
+        self, cfg: MetaConfig, counters: Counter[str], index: Index, evictions: Evictions
+    ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.index = index
+        self.evictions = evictions
         self.now_s = 0.0  # the latest ``now`` seen (tick, heartbeat): demotion pauses
         self.worth = Worth(cfg, index)  # the value side of the rule
         self.recompute_s = self.worth.recompute_s
-        self._evict_room = evict_room(index)
+        self._evict_room = evict_room(evictions)
 
     # ---- DRAM watermark: demote or drop --------------------------------------------
 
@@ -156,7 +160,7 @@ class Tiers:
             if cfg.demote:
                 taken = self.drain(srv, target, PASS_OBJECTS)[1]
             else:
-                taken = self.index.evict_pass(srv, target, 0, cap, PASS_OBJECTS)[1]
+                taken = self.evictions.evict_pass(srv, target, 0, cap, PASS_OBJECTS)[1]
             cut = taken >= PASS_OBJECTS
             srv.drain_to = target if cut and srv.reclaimable_used > target else -1
             self.counters["watermark_passes_cut"] += 1 if srv.drain_to >= 0 else 0
@@ -182,7 +186,7 @@ class Tiers:
         moved = taken = 0
         limit = srv.allocator.capacity
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
-        for obj, ns in self.index.candidates(0):
+        for obj, ns in self.evictions.candidates(0):
             taken += 1
             why = self._leaving(obj, ns)
             if why == DEMOTE:
@@ -199,7 +203,7 @@ class Tiers:
             if srv.reclaimable_used <= target_used or moved >= limit or taken >= max_objects:
                 break
         for obj, _ in held:  # popped from the policy's order: back in it
-            self.index.requeue(obj)
+            self.evictions.requeue(obj)
         return moved, taken
 
     def _demote_ahead(self, srv: ServerRecord, target_used: int) -> int:
@@ -217,7 +221,7 @@ class Tiers:
         moved = 0
         limit = srv.allocator.capacity
         skipped: list[tuple[ObjectRecord, NamespaceRecord]] = []
-        for obj, ns in self.index.candidates(0):
+        for obj, ns in self.evictions.candidates(0):
             why = self._leaving(obj, ns)
             if why == NOT_WORTH:
                 skipped.append((obj, ns))
@@ -232,7 +236,7 @@ class Tiers:
             if srv.reclaimable_used <= target_used or moved >= limit:
                 break
         for obj, _ in skipped:  # popped from the policy's order: back in it
-            self.index.requeue(obj)
+            self.evictions.requeue(obj)
         self.counters["demotions_ahead"] += 1 if moved else 0
         return moved
 
@@ -255,7 +259,7 @@ class Tiers:
         dropped = 0
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
         allocator = srv.allocator
-        for obj, ns in self.index.candidates(0):
+        for obj, ns in self.evictions.candidates(0):
             covered = srv.demoting_bytes >= size  # no NVMe room made for a demotion then
             why = self._leaving(obj, ns, make_nvme_room=not covered)
             if why in (DEMOTE, BEHIND) and covered:
@@ -274,7 +278,7 @@ class Tiers:
             if allocator.largest_free() >= size or dropped >= budget.evict:
                 break
         for obj, _ in held:
-            self.index.requeue(obj)
+            self.evictions.requeue(obj)
         left = budget.evict - dropped
         room_coming = srv.demoting_bytes >= size or budget.behind
         if allocator.largest_free() < size and not room_coming and left > 0:
@@ -293,7 +297,7 @@ class Tiers:
         evicted = 0
         allocator = srv.allocator
         held: list[tuple[ObjectRecord, NamespaceRecord]] = []
-        for obj, ns in self.index.candidates(0):
+        for obj, ns in self.evictions.candidates(0):
             why = PUT_COULD_NOT_WAIT if self._tier_open(obj.server) else NO_TIER
             if obj.server is not srv:
                 why = self._leaving(obj, ns)
@@ -309,7 +313,7 @@ class Tiers:
             if allocator.largest_free() >= size or evicted >= max_bytes:
                 break
         for obj, _ in held:  # popped from the policy's order: back in it
-            self.index.requeue(obj)
+            self.evictions.requeue(obj)
         return evicted
 
     def _drop(self, obj: ObjectRecord, ns: NamespaceRecord, why: str) -> int:
@@ -319,7 +323,7 @@ class Tiers:
         c["dropped_not_demoted"] += 1
         c[why] += 1
         obj.server.dropped += 1
-        return self.index.drop(obj, ns)
+        return self.evictions.drop(obj, ns)
 
     def _leaving(self, obj: ObjectRecord, ns: NamespaceRecord, make_nvme_room: bool = True) -> str:
         """The rule (module docstring) for DRAM object ``obj`` leaving DRAM:
@@ -377,8 +381,8 @@ class Tiers:
         """Evict NVMe objects in the NVMe policy's order until ``srv``'s tier holds
         at most ``target`` bytes; evicting from NVMe deletes (``drop_nvme``)."""
         evicted = 0
-        for obj, ns in self.index.candidates(1):
-            evicted += self.index.drop(obj, ns)
+        for obj, ns in self.evictions.candidates(1):
+            evicted += self.evictions.drop(obj, ns)
             if srv.nvme_bytes <= target:
                 break
         return evicted
@@ -454,7 +458,7 @@ class Tiers:
             if g == ns.full_group:
                 for g2, oid in enumerate(b["obj"][bid, : ns.layout.num_groups].tolist()):
                     if oid >= 0:
-                        index.evict_object(ns, bid, g2)
+                        self.evictions.evict_object(ns, bid, g2)
             index.prune(ns, bid)
             b = index.cx.blocks.cols
         self.counters["nvme_lost"] += n

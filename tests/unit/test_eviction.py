@@ -180,7 +180,7 @@ def test_cost_drops_the_cheap_end_window_and_its_dead_tail_first(policy: str) ->
     layout = ns.layout
     full, swa = layout.group_object_bytes
     srv = core.servers["s0"]
-    core.index.evict(srv, target_used=srv.allocator.used - 2 * (full + swa))
+    core.evictions.evict(srv, target_used=srv.allocator.used - 2 * (full + swa))
     prefix = toks[:32] + [999] * 4
     if policy == "cost":
         assert lookup(core, fp, prefix) == 8

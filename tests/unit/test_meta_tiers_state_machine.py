@@ -64,7 +64,7 @@ class TierMachine(RuleBasedStateMachine):
         self.may_drop = False  # a put that may not wait is being placed
         self.violations: list[str] = []
         self.drops = 0
-        inner = self.core.index.drop
+        inner = self.core.evictions.drop
 
         def watched(obj: ObjectRecord, ns: NamespaceRecord) -> int:
             if obj.tier == 0:
@@ -76,7 +76,7 @@ class TierMachine(RuleBasedStateMachine):
                     )
             return inner(obj, ns)
 
-        self.core.index.drop = watched  # type: ignore[method-assign]
+        self.core.evictions.drop = watched  # type: ignore[method-assign]
 
     # ---- the rule, as the test reads it --------------------------------------------
 

@@ -68,7 +68,7 @@ def test_a_chunk_parked_whole_is_adopted_when_its_namespace_registers_late() -> 
     ns = new.namespaces[fp]
     assert len(ns.entries) == len(old.namespaces[fp].entries)
     # Adopted objects are eviction candidates, the oldest (lowest seq) first.
-    first = next(iter(new.index.candidates(0)))[0]
+    first = next(iter(new.evictions.candidates(0)))[0]
     assert first.entry.key in {k for k in old.namespaces[fp].entries}
 
 

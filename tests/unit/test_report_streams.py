@@ -233,6 +233,6 @@ def test_any_interleaving_adopts_every_object_and_holds_nothing_at_the_end(
 
     # the filtered twin offers the same victims in the same order
     def order(core: MetaCore) -> list[tuple[bytes, int]]:
-        return [(o.entry.key, o.group) for o, _ in core.index.candidates(0)]
+        return [(o.entry.key, o.group) for o, _ in core.evictions.candidates(0)]
 
     assert order(twin) == order(new)
