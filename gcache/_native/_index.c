@@ -26,6 +26,9 @@
  *       open addressing in two uint32 arrays (a key is stored as k + 1; 0 marks
  *       an empty slot, 0xFFFFFFFF a removed one). get and pop answer the value
  *       or -1; put answers 1 (added), 0 (replaced) or -1 (no free slot).
+ *   live_put_many(keys, vals, units, values) -> int
+ *       put of each pair of two int64 arrays; the count added (a caller keeps
+ *       the table under 3/4 full first).
  *
  * Every index read from an array is bounds-checked (a wrong caller gets an
  * IndexError, never a stray read). No allocation, no GIL release (each call is
@@ -422,6 +425,47 @@ done:
     return res;
 }
 
+static PyObject *py_live_put_many(PyObject *self, PyObject *args) {
+    PyObject *ko, *vo, *kso, *vso;
+    if (!PyArg_ParseTuple(args, "OOOO", &ko, &vo, &kso, &vso)) return NULL;
+    buf_t kb = {0}, vb = {0}, ksb = {0}, vsb = {0};
+    PyObject *res = NULL;
+    if (get(ko, &kb, 4, 1, "keys") < 0 || get(vo, &vb, 4, 1, "vals") < 0 ||
+        get(kso, &ksb, 8, 0, "units") < 0 || get(vso, &vsb, 8, 0, "values") < 0)
+        goto done;
+    Py_ssize_t n = N(kb, uint32_t), m = N(ksb, int64_t);
+    if (n == 0 || (n & (n - 1)) || N(vb, uint32_t) != n || N(vsb, int64_t) != m) {
+        PyErr_SetString(PyExc_ValueError, "live map: keys and vals of one power-of-two size, "
+                                          "units and values of one length");
+        goto done;
+    }
+    uint32_t *keys = kb.b.buf, *vals = vb.b.buf;
+    const int64_t *ks = ksb.b.buf, *vs = vsb.b.buf;
+    long long added = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (ks[i] < 0 || ks[i] >= (int64_t)LM_TOMB - 1 || vs[i] < 0 || vs[i] > 0xFFFFFFFFLL) {
+            PyErr_Format(PyExc_ValueError, "live map: entry %zd out of range", i);
+            goto done;
+        }
+        Py_ssize_t free_at;
+        Py_ssize_t at = lm_find(keys, n, (uint32_t)(ks[i] + 1), &free_at);
+        if (at >= 0) {
+            vals[at] = (uint32_t)vs[i];
+        } else if (free_at >= 0) {
+            keys[free_at] = (uint32_t)(ks[i] + 1);
+            vals[free_at] = (uint32_t)vs[i];
+            added++;
+        } else {
+            PyErr_SetString(PyExc_ValueError, "live map: no free slot");
+            goto done;
+        }
+    }
+    res = PyLong_FromLongLong(added);
+done:
+    put(&kb); put(&vb); put(&ksb); put(&vsb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"heap_sift", py_heap_sift, METH_VARARGS,
      "heap_sift(heap, tick, seq, hpos, size, i) -> int: restore the heap order around i."},
@@ -439,6 +483,9 @@ static PyMethodDef methods[] = {
      "live_get(keys, vals, k) -> int: the live map's value of k, or -1."},
     {"live_put", py_live_put, METH_VARARGS,
      "live_put(keys, vals, k, v) -> int: 1 added, 0 replaced, -1 no free slot."},
+    {"live_put_many", py_live_put_many, METH_VARARGS,
+     "live_put_many(keys, vals, units, values) -> int: put each (int64 arrays); the "
+     "count added."},
     {"live_pop", py_live_pop, METH_VARARGS,
      "live_pop(keys, vals, k) -> int: remove k, answering its value, or -1."},
     {NULL, NULL, 0, NULL},

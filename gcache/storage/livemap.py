@@ -90,12 +90,12 @@ class LiveMap:
         if 4 * (self.n + self.tombs + len(units)) > 3 * self.keys.size:
             self._rehash(max(_MIN, (4 * (self.n + len(units))) // 3 + 1))
         assert self.k is not None
-        put = self.k.live_put
-        keys, vals = self.keys, self.vals
-        added = 0
-        for u, s in zip(units.tolist(), sizes.tolist(), strict=True):
-            added += put(keys, vals, u, s) == 1
-        self.n += added
+        self.n += self.k.live_put_many(
+            self.keys,
+            self.vals,
+            np.ascontiguousarray(units, dtype=np.int64),
+            np.ascontiguousarray(sizes, dtype=np.int64),
+        )
 
     def get_many(self, units: list[int]) -> list[int]:
         """:meth:`get` of each (-1: not there)."""
@@ -118,12 +118,9 @@ class LiveMap:
         self.vals = np.zeros(slots, dtype=np.uint32)
         self.tombs = 0
         assert self.k is not None
-        put = self.k.live_put
-        keys, vals = self.keys, self.vals
-        for u, s in zip(
-            (old_k[used].astype(np.int64) - 1).tolist(), old_v[used].tolist(), strict=True
-        ):
-            put(keys, vals, u, s)
+        self.k.live_put_many(
+            self.keys, self.vals, old_k[used].astype(np.int64) - 1, old_v[used].astype(np.int64)
+        )
 
     def nbytes(self) -> int:
         if self._dict is not None:
