@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gcache.meta.compact import DETACHED
+from gcache.meta.handles import LIVE
 from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.session import Principal
 
@@ -48,7 +49,7 @@ class Evictions:
 
     def requeue(self, obj: ObjectRecord) -> None:
         """A candidate taken and not evicted: back in the order (if evictable)."""
-        if obj.state == 0:
+        if obj.state == LIVE:
             self.ix.cx.leaves.refresh1(obj.oid)
 
     def evict(

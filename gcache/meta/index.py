@@ -27,7 +27,7 @@ from gcache.meta.compact import LEAVING_DRAM, SMALL
 from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
-from gcache.meta.handles import GONE, Entries, Ghost, Store
+from gcache.meta.handles import GONE, LIVE, Entries, Ghost, Store
 from gcache.meta.leaves import float_tick, float_ticks
 from gcache.meta.quarantine import Quarantine
 from gcache.meta.records import BlockEntry, NamespaceRecord, ObjectRecord, ServerRecord
@@ -531,7 +531,7 @@ class Index:
 
     def end_leaving(self, obj: ObjectRecord) -> None:
         """A demotion failed: still indexed, it is its parent's DRAM child again."""
-        if obj.state == 0 and obj.hits == LEAVING_DRAM and obj.tier == 0:
+        if obj.state == LIVE and obj.hits == LEAVING_DRAM and obj.tier == 0:
             self.cx.leaving(obj.oid, False)
         elif obj.state != GONE:
             obj.hits = 0
