@@ -187,14 +187,14 @@ class Leases:
         if p <= SMALL:  # (a few: scalar work, no array calls)
             ids = bids[:p].tolist()
             flat, width = self.index.cx.blocks.mv("obj"), self.index.cx.groups
-            picked = np.array(
-                [
-                    flat[ids[j] * width + g]
-                    for g in range(layout.num_groups)
-                    for j in layout.window_blocks(g, p)
-                ],
-                dtype=np.int32,
-            )
+            few = [
+                flat[ids[j] * width + g]
+                for g in range(layout.num_groups)
+                for j in layout.window_blocks(g, p)
+            ]
+            if few and min(few) < 0:
+                raise AssertionError("a match names an object that is not there")
+            picked = np.array(few, dtype=np.int32)
         else:
             parts = []
             for g in range(layout.num_groups):
@@ -202,8 +202,8 @@ class Leases:
                 if len(w):
                     parts.append(obj[bids[w.start : w.stop], g])
             picked = np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32)
-        if picked.size and int(picked.min()) < 0:
-            raise AssertionError("a match names an object that is not there")
+            if picked.size and int(picked.min()) < 0:
+                raise AssertionError("a match names an object that is not there")
         self.index.touch(picked, ns, now)
         self.on_pick(ns, picked)
         return picked
