@@ -296,37 +296,54 @@ class Index:
         n = len(bids)
         if not n:
             return np.empty(0, dtype=np.int32)
+        if n <= SMALL:  # (a few: one by one, no array calls)
+            return np.array(
+                [
+                    self.add_object(
+                        ns,
+                        bid,
+                        group,
+                        srv,
+                        int(off),
+                        length,
+                        row.tobytes(),
+                        at,
+                        owner,
+                        tier,
+                        refresh,
+                    )
+                    for bid, off, row, at in zip(
+                        bids.tolist(), list(offsets), sums, atimes.tolist(), strict=True
+                    )
+                ],
+                dtype=np.int32,
+            )
         st = self.store
         slot = st.slot_of(srv)
-        o = self.cx.objects
         # (the ticks are the policy's keys of these access times and a zero score)
         pol = self._policies[1 if tier else 0]
-        oid_of = st.owner_id(owner)
-        if n <= SMALL:  # (a few: one by one, no array calls)
-            out = []
-            add = self.cx.add_object
-            for bid, off, row, at in zip(
-                bids.tolist(), list(offsets), sums, atimes.tolist(), strict=True
-            ):
-                tick = (
-                    float_tick(at)
-                    if pol.by_access
-                    else int(float_ticks(pol.keys(np.array([at]), np.zeros(1, np.float32)))[0])
-                )
-                oid = add(bid, group, slot, int(off), length, row.tobytes(), tick, tier, oid_of,
-                          refresh)  # fmt: skip
-                o.mv("atime")[oid] = at
-                out.append(oid)
-            oids = np.array(out, dtype=np.int32)
-        else:
-            offs = np.asarray(offsets, dtype=np.uint64)
-            ticks = float_ticks(pol.keys(atimes, np.zeros(n, dtype=np.float32)))
-            oids = self.cx.add_objects(
-                bids, group, slot, offs, np.full(n, length, dtype=np.uint32), sums, ticks, tier,
-                oid_of, refresh,
-            )  # fmt: skip
-            o.cols["atime"][oids] = atimes
-        st.rows_named(slot, n)
+        ticks = float_ticks(pol.keys(atimes, np.zeros(n, dtype=np.float32)))
+        oids = self.cx.add_objects(
+            bids, group, slot, np.asarray(offsets, dtype=np.uint64),
+            np.full(n, length, dtype=np.uint32), sums, ticks, tier, st.owner_id(owner), refresh,
+        )  # fmt: skip
+        self.cx.objects.cols["atime"][oids] = atimes
+        self._count(ns, group, srv, slot, n, length, owner, tier)
+        return oids
+
+    def _count(
+        self,
+        ns: NamespaceRecord,
+        group: int,
+        srv: ServerRecord,
+        slot: int,
+        n: int,
+        length: int,
+        owner: str,
+        tier: int,
+    ) -> None:
+        """``n`` objects of ``length`` bytes added: every total."""
+        self.store.rows_named(slot, n)
         total = n * length
         srv.objects += n
         if tier:
@@ -338,7 +355,6 @@ class Index:
         self.group_bytes[ns.layout.group_names[group]] += total
         if owner:
             self.tenant_bytes[owner] += total
-        return oids
 
     def settle(self, oids: I32) -> None:
         """Objects added with ``refresh=False`` enter the eviction order (with
@@ -360,6 +376,7 @@ class Index:
         atime: float,
         owner: str = "",
         tier: int = 0,
+        refresh: bool = True,
     ) -> int:
         """:meth:`add_objects` of one object, without arrays (a small put)."""
         st = self.store
@@ -371,20 +388,10 @@ class Index:
             else int(float_ticks(pol.keys(np.array([atime]), np.zeros(1, np.float32)))[0])
         )
         oid = self.cx.add_object(
-            bid, group, slot, offset, length, sums, tick, tier, st.owner_id(owner)
+            bid, group, slot, offset, length, sums, tick, tier, st.owner_id(owner), refresh
         )
         self.cx.objects.mv("atime")[oid] = atime
-        st.rows_named(slot, 1)
-        srv.objects += 1
-        if tier:
-            srv.nvme_bytes += length
-            srv.nvme_count += 1
-        if group == ns.full_group:
-            ns.full_holes -= 1
-        self.live_bytes += length
-        self.group_bytes[ns.layout.group_names[group]] += length
-        if owner:
-            self.tenant_bytes[owner] += length
+        self._count(ns, group, srv, slot, 1, length, owner, tier)
         return oid
 
     def admit(self, ns: NamespaceRecord, oids: I32, ordered: bool = True) -> None:

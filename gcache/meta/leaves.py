@@ -91,17 +91,8 @@ class Leaves:
         or not (-1: none, ignored)."""
         if self.bulk or oid < 0:
             return
-        block, pins, group, tier, hpos = self.objects.views(
-            "block", "pins", "group", "tier", "hpos"
-        )
-        bid = block[oid]
-        if bid < 0 or pins[oid]:
-            want = False
-        else:
-            ns, hot, children = self.blocks.views("ns", "hot", "children")
-            want = group[oid] != self.full[ns[bid]] or (
-                (hot[bid] if tier[oid] == 0 else children[bid]) == 0
-            )
+        want = self.evictable1(oid)
+        hpos, tier = self.objects.views("hpos", "tier")
         has = hpos[oid] >= 0
         if want and not has:
             self.heaps[tier[oid]].push(oid)
