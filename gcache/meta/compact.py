@@ -144,7 +144,7 @@ class CompactIndex:
     def begin_bulk(self) -> None:
         """Bulk loading (a rebuild from the servers' reports): the eviction heap is
         not kept while blocks and objects arrive, and is built once, by one sort,
-        in :meth:`end_bulk` (``victim`` answers -1 meanwhile)."""
+        in :meth:`end_bulk` (or by the first :meth:`victim`, which ends it)."""
         self.leaves.begin_bulk()
 
     def end_bulk(self) -> None:

@@ -119,6 +119,7 @@ COUNTERS = (
     "report_invalid",
     "report_duplicates",
     "reports_completed",
+    "rebuild_bulk_loads",
     # the demotion pipeline
     "demotions_ahead",
     "puts_told_to_wait",
@@ -380,6 +381,7 @@ class MetaCore:
                 self.membership.drop_server(srv, reason="missed heartbeats")
             else:
                 self.tiers.check_watermark(srv)
+        self.rebuild.end_bulk()  # (a report that will not end: its server dropped)
 
     # ---- stats ---------------------------------------------------------------------
 

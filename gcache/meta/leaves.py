@@ -174,7 +174,10 @@ class Leaves:
             self.rebuild()
 
     def victim(self, tier: int = 0) -> int:
-        """The least recently used evictable object of ``tier`` (-1: none)."""
+        """The least recently used evictable object of ``tier`` (-1: none). In a
+        bulk load, the heaps are built first (the load goes on with them kept)."""
+        if self.bulk:
+            self.rebuild()
         return self.heaps[tier].top()
 
     def size(self) -> int:

@@ -1,3 +1,5 @@
+# One file (over 450 lines): the path of a report chunk, from its stream through
+# adoption and retries to the report's completion, read top to bottom in one place.
 """Rebuilding the index from the servers' reports (after a meta or server restart).
 
 After ``RegisterServer`` a server that holds objects streams its manifest
@@ -24,6 +26,12 @@ Before any of that, the streams are merged by block position
 reached are held, in columns, and adopted with the rows of the other streams'
 later chunks in one pass, so a record whose parent is on another server mostly
 finds it in the index instead of being deferred and retried.
+
+A meta that restarted (its index nearly empty when a report begins) adopts in a
+bulk load: the eviction heaps are not kept while reports arrive (a chain reported
+across chunks and servers would push and pull each parent's object about once a
+block) and are built by one sort when the last report ends, or as soon as a put
+or a watermark pass needs a victim, after which the load goes on with them kept.
 
 Parked records are freed (the server drops them) after ``parked_ttl_s`` or when
 more than ``max_parked_objects`` wait. Adopted records get ``last_access`` from
@@ -62,6 +70,11 @@ from gcache.storage.columns import Columns, columns_of, concat
 # While at most this many records wait for a parent, they are retried after every
 # chunk (a few checks); past it only once as many records arrived as wait.
 RETRY_EAGER = 256
+# A report that begins while the index holds at most this many objects (a meta
+# that restarted, its whole cluster reporting) adopts with the eviction heaps not
+# kept; they are built by one sort when the last report completes, or as soon as
+# anything needs a victim (``Leaves.victim``).
+BULK_BELOW = 1 << 16
 _POS = attrgetter("pos")
 
 __all__ = ["RETRY_EAGER", "Parked", "Rebuild"]  # Parked: callers import it from here
@@ -104,6 +117,10 @@ class Rebuild:
         if srv.reported is None and not srv.objects:
             srv.reported = Reported(srv.allocator.align)
             self.members.invalidate()
+            cx = self.index.cx
+            if not cx.bulk and self.index.live_objects <= BULK_BELOW:
+                cx.begin_bulk()
+                self.counters["rebuild_bulk_loads"] += 1
         if self._credit:
             self._credit.pop(srv.server_id, None)
         # A server that registers again reports everything again: forget what was
@@ -369,6 +386,16 @@ class Rebuild:
         (no allocation per range), then open it for placement."""
         complete_report(srv, self.books, self.index, self.counters)
         self.members.invalidate()
+        self.end_bulk()
+
+    def end_bulk(self) -> None:
+        """No report in progress (each complete, or its server gone): build the
+        eviction heaps of a bulk load, if one is on."""
+        cx = self.index.cx
+        if cx.bulk and not any(
+            s.alive and s.reported is not None for s in self.members.servers.values()
+        ):
+            cx.end_bulk()
 
     def adopt_parked_namespace(self, ns: NamespaceRecord, now: float) -> int:
         """``ns`` was registered: adopt what was reported for it (its parked chunks

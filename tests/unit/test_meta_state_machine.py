@@ -22,6 +22,7 @@ from gcache.meta.core import MetaCore
 from gcache.meta.records import EVICTED, GONE, LIVE, ObjectRecord
 from gcache.meta.session import Session
 from tests.unit.test_meta_core import spec
+from tests.unit.test_meta_rebuild import assert_heaps_hold_the_evictable
 
 WALL = 1_700_000_000.0
 CAP = 192 << 10  # per server: a few prompts, so eviction and no_space happen
@@ -200,6 +201,10 @@ class MetaMachine(RuleBasedStateMachine):
 
     def _objects(self) -> list[ObjectRecord]:
         return [o for e in self.ns.entries.values() for o in e.objects if o is not None]
+
+    @invariant()
+    def eviction_heaps_hold_exactly_the_evictable(self) -> None:
+        assert_heaps_hold_the_evictable(self.core.index.cx)
 
     @invariant()
     def index_counters_match_a_rescan(self) -> None:

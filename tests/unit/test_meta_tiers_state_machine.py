@@ -26,6 +26,7 @@ from gcache.meta.core import MetaCore
 from gcache.meta.records import NamespaceRecord, ObjectRecord, ServerRecord
 from gcache.meta.tiers import DROP_REASONS, Demotion
 from tests.unit.test_meta_core import spec
+from tests.unit.test_meta_rebuild import assert_heaps_hold_the_evictable
 
 WALL = 1_700_000_000.0
 KB = 1 << 10
@@ -161,6 +162,10 @@ class TierMachine(RuleBasedStateMachine):
         self.leases = [i for i in self.leases if i in self.core.leases]
 
     # ---- invariants ----------------------------------------------------------------
+
+    @invariant()
+    def eviction_heaps_hold_exactly_the_evictable(self) -> None:
+        assert_heaps_hold_the_evictable(self.core.index.cx)
 
     @invariant()
     def nothing_demotable_dropped_while_the_tier_has_room(self) -> None:
