@@ -19,7 +19,8 @@ Layout (ids are ``int32`` row numbers, reused through free stacks):
   tick (``uint64``, a counter: no ties), and the per-layer checksums in a slab per
   checksum length (``sums[L][slot]``).
 * **eviction order** (:class:`~gcache.meta.leaves.Leaves`): per tier, an indexed
-  binary min-heap of the *evictable* objects keyed by access tick, with the
+  binary min-heap of the *evictable* objects keyed by access tick (and, pins
+  being lazy, perhaps pinned ones, skipped at the top), with the
   meta's rules: unpinned, and windowed, or the full object of a block with no
   child in its tier (``hot``: children whose full object is in DRAM; for NVMe any
   child). ``victim(tier)`` is the least recently used of them, as the meta's LRU
@@ -432,24 +433,20 @@ class CompactIndex:
         """A lease holds ``oids`` (each as often as named): not evictable until
         unpinned."""
         if oids.size <= SMALL:  # (a few: scalar work, no array calls)
-            pins, hpos, tier, block = self.objects.views("pins", "hpos", "tier", "block")
-            ids = oids.tolist()
-            rows = self.objects.rows
-            if any(not 0 <= oid < rows or block[oid] < 0 for oid in ids):
-                raise CompactIndexError("unknown object ids")
-            heaps = self.leaves.heaps
-            for oid in ids:
-                pins[oid] += 1
-                if hpos[oid] >= 0:  # pinned: out of the eviction order
-                    heaps[tier[oid]].remove(oid)
+            self.pin_few(oids.tolist())
             return
         self._check_live(oids)
         u, n = np.unique(oids, return_counts=True)
-        o = self.objects.cols
-        o["pins"][u] += n.astype(np.int32)
-        heaps, hpos, tier = self.leaves.heaps, o["hpos"], o["tier"]
-        for oid in u[hpos[u] >= 0].tolist():  # pinned: out of the eviction order
-            heaps[int(tier[oid])].remove(oid)
+        self.objects.cols["pins"][u] += n.astype(np.int32)
+
+    def pin_few(self, ids: list[int]) -> None:
+        """:meth:`pin` of a few rows given as a list (scalar work, no arrays)."""
+        pins, block = self.objects.views("pins", "block")
+        rows = self.objects.rows
+        if any(not 0 <= oid < rows or block[oid] < 0 for oid in ids):
+            raise CompactIndexError("unknown object ids")
+        for oid in ids:  # (lazy: a pinned object leaves its heap at its top)
+            pins[oid] += 1
 
     def unpin(self, oids: I32) -> list[Freed]:
         """A lease on ``oids`` ended. Returns (server, tier, offset, length) of the
@@ -460,7 +457,7 @@ class CompactIndex:
         """:meth:`unpin`, each freed object with its (former) id."""
         o = self.objects.cols
         if oids.size <= SMALL:  # (a few: scalar work, no array calls)
-            return self._unpin_few(oids.tolist())
+            return self.unpin_few(oids.tolist())
         if oids.size and not ((oids >= 0) & (oids < self.objects.rows)).all():
             raise CompactIndexError("unpin of an object no lease holds")
         u, n = np.unique(oids, return_counts=True)
@@ -477,19 +474,25 @@ class CompactIndex:
         self.leaves.refresh(free[o["block"][free] >= 0])
         return freed
 
-    def _unpin_few(self, ids: list[int]) -> list[tuple[int, Freed]]:
+    def unpin_few(self, ids: list[int]) -> list[tuple[int, Freed]]:
+        """:meth:`unpin_rows` of a few rows given as a list (no array calls)."""
         o = self.objects.cols
-        pins, block = self.objects.views("pins", "block")
+        pins, block, hpos = self.objects.views("pins", "block", "hpos")
         rows = self.objects.rows
-        want: dict[int, int] = {}
-        for oid in ids:
-            want[oid] = want.get(oid, 0) + 1
-        if any(not 0 <= oid < rows or pins[oid] < n for oid, n in want.items()):
-            raise CompactIndexError("unpin of an object no lease holds")
+        if len(set(ids)) == len(ids):  # (each once: a lease's objects)
+            want = dict.fromkeys(ids, 1)
+            if any(not 0 <= oid < rows or pins[oid] < 1 for oid in ids):
+                raise CompactIndexError("unpin of an object no lease holds")
+        else:
+            want = {}
+            for oid in ids:
+                want[oid] = want.get(oid, 0) + 1
+            if any(not 0 <= oid < rows or pins[oid] < n for oid, n in want.items()):
+                raise CompactIndexError("unpin of an object no lease holds")
         freed = []
         for oid, n in want.items():
             pins[oid] -= n
-            if pins[oid]:
+            if pins[oid] or hpos[oid] >= 0:  # (in its heap: pins are lazy, it stays)
                 continue
             if block[oid] == DETACHED:
                 freed.append((oid, (int(o["server"][oid]), int(o["tier"][oid]),
@@ -559,13 +562,7 @@ class CompactIndex:
         ``atime``: their access time too."""
         heaps = self.leaves.heaps
         if oids.size <= SMALL:  # (a few: scalar work, no array calls)
-            ticks, hpos, tier, at = self.objects.views("tick", "hpos", "tier", "atime")
-            for oid in oids.tolist():
-                ticks[oid] = tick
-                if atime is not None:
-                    at[oid] = atime
-                if hpos[oid] >= 0:
-                    heaps[tier[oid]].rekey(oid)
+            self.touch_few(oids.tolist(), tick, atime)
             return
         c = self.objects.cols
         c["tick"][oids] = tick
@@ -573,6 +570,17 @@ class CompactIndex:
             c["atime"][oids] = atime
         for oid in oids[c["hpos"][oids] >= 0].tolist():
             heaps[int(c["tier"][oid])].rekey(oid)
+
+    def touch_few(self, ids: list[int], tick: int, atime: float | None = None) -> None:
+        """:meth:`touch` of a few rows given as a list (scalar work, no arrays)."""
+        heaps = self.leaves.heaps
+        ticks, hpos, tier, at = self.objects.views("tick", "hpos", "tier", "atime")
+        for oid in ids:
+            ticks[oid] = tick
+            if atime is not None:
+                at[oid] = atime
+            if hpos[oid] >= 0:
+                heaps[tier[oid]].rekey(oid)
 
     def retick(self, oids: I32, ticks: U64) -> None:
         """New eviction keys for ``oids`` (a policy re-scored them)."""
@@ -612,7 +620,7 @@ class CompactIndex:
         return {
             "blocks": self.live_blocks,
             "objects": self.live_objects,
-            "evictable": self.leaves.size(),
+            "evictable": self.leaves.evictable_count(),
             "detached": self.detached,
             "table_slots": int(self.keys.table.size),
             "tombstones": self.keys.tombs,

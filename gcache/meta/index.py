@@ -23,7 +23,7 @@ from gcache.config import MetaConfig
 from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, Refusal
 from gcache.keys import KEY_SIZE
 from gcache.layout import Layout
-from gcache.meta.compact import LEAVING_DRAM, SMALL
+from gcache.meta.compact import LEAVING_DRAM, SMALL, Freed
 from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
@@ -503,10 +503,18 @@ class Index:
         """Their holder let go. At its last pin an evicted object is freed and a live
         one may be a candidate again."""
         oids = rows(objs)
-        if not oids.size:
-            return
+        if oids.size:
+            self._unpinned(self.cx.unpin_rows(oids))
+
+    def unpin_few(self, ids: list[int]) -> None:
+        """:meth:`unpin` of a few rows given as a list (a small lease's)."""
+        if ids:
+            self._unpinned(self.cx.unpin_few(ids))
+
+    def _unpinned(self, freed: list[tuple[int, Freed]]) -> None:
+        """Free what a last unpin let go (detached objects)."""
         st = self.store
-        for oid, (slot, tier, offset, length) in self.cx.unpin_rows(oids):
+        for oid, (slot, tier, offset, length) in freed:
             srv = st.servers[slot]
             st.rows_named(slot, -1)
             if oid in st.forgotten:
@@ -529,6 +537,14 @@ class Index:
         for p in self._policies:
             if p.events:
                 p.accessed(oids, ns, now)
+
+    def touch_few(self, ids: list[int], ns: NamespaceRecord, now: float) -> None:
+        """:meth:`touch` of a few rows given as a list (a small lookup's)."""
+        p0, p1 = self._policies
+        if p0.by_access and p1.by_access and not (p0.events or p1.events):
+            self.cx.touch_few(ids, float_tick(now), now)
+        elif ids:
+            self.touch(np.array(ids, dtype=np.int32), ns, now)
 
     def mark_leaving(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         """A full DRAM object is being demoted: its parent stops counting it as a DRAM

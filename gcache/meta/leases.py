@@ -24,12 +24,15 @@ I32 = npt.NDArray[np.int32]
 _LEASE_IDS = IdSource()
 
 
+# Object rows: an array, or (a small lookup's: no array calls) a list.
+Picked = I32 | list[int]
+
 # Told the object rows a lookup picked (after they are touched): the tiers count
 # the hits of NVMe objects for promotion.
-OnPick = Callable[[NamespaceRecord, I32], None]
+OnPick = Callable[[NamespaceRecord, Picked], None]
 
 
-def _no_pick(ns: NamespaceRecord, picked: I32) -> None:
+def _no_pick(ns: NamespaceRecord, picked: Picked) -> None:
     pass
 
 
@@ -64,11 +67,10 @@ class Leases:
         index: dict[int, int] = {}
         servers: list[wire.ServerAddr] = []
         locs: list[wire.ObjectLoc] = []
-        self.index.pin(picked)
         cx = self.index.cx
-        o, b = cx.objects.cols, cx.blocks.cols
-        if picked.size <= SMALL:  # (a few: scalar reads, no array calls)
-            ids = picked.tolist()
+        if isinstance(picked, list):  # (a few: scalar reads, no array calls)
+            ids = picked
+            cx.pin_few(ids)
             cs, co, cl, ct, cg, cb = cx.objects.views(
                 "server", "offset", "length", "tier", "group", "block"
             )
@@ -80,6 +82,8 @@ class Leases:
             groups = [cg[i] for i in ids]
             pos = [bp[cb[i]] for i in ids]
         else:
+            self.index.pin(picked)
+            o, b = cx.objects.cols, cx.blocks.cols
             slots = o["server"][picked].tolist()
             offs = o["offset"][picked].tolist()
             lens = o["length"][picked].tolist()
@@ -113,14 +117,14 @@ class Leases:
         c["leased_bytes"] += sum(lens)
         return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
 
-    def _sums(self, oids: I32) -> list[bytes]:
+    def _sums(self, oids: Picked) -> list[bytes]:
         """Each object's checksums, read per checksum width as one block of bytes."""
         cx = self.index.cx
-        if oids.size <= 16:  # (a few: one by one, no array calls)
+        if isinstance(oids, list):  # (a few: one by one, no array calls)
             widths, slots = cx.objects.views("sums_len", "sums_slot")
             slabs = cx.sums_slabs.slabs
             out1 = []
-            for oid in oids.tolist():
+            for oid in oids:
                 w = widths[oid]
                 if not w:
                     out1.append(b"")
@@ -153,17 +157,17 @@ class Leases:
         cx = self.index.cx
         bids = cx.find_keys(ns.ns_id, keys_) if keys_ else np.empty(0, dtype=np.int32)
         fg = ns.full_group
-        obj = cx.blocks.cols["obj"]
         layout = ns.layout
         if len(keys_) <= SMALL:  # (a few: scalar work, no array calls)
             ids = bids.tolist()
             n = ids.index(-1) if -1 in ids else len(ids)
-            few = obj[bids[:n]].tolist()
+            flat, width = cx.blocks.mv("obj"), cx.groups
             if fg is not None:
                 # Entries are prefix-closed; a full object missing ends the match there.
-                n = next((j for j in range(n) if few[j][fg] < 0), n)
-            p = layout.valid_match(n, lambda j, g: few[j][g] >= 0)
+                n = next((j for j in range(n) if flat[ids[j] * width + fg] < 0), n)
+            p = layout.valid_match(n, lambda j, g: flat[ids[j] * width + g] >= 0)
         else:
+            obj = cx.blocks.cols["obj"]
             gaps = np.flatnonzero(bids < 0)
             n = int(gaps[0]) if gaps.size else len(keys_)
             if fg is not None and n:
@@ -179,9 +183,10 @@ class Leases:
         c["hit_tokens"] += p * layout.block_size
         return p, bids
 
-    def pick(self, ns: NamespaceRecord, bids: I32, p: int, now: float) -> I32:
+    def pick(self, ns: NamespaceRecord, bids: I32, p: int, now: float) -> Picked:
         """The object rows a match of ``p`` blocks reads (group by group, block by
-        block), touched (a reuse) for the policy, then shown to ``on_pick``."""
+        block), touched (a reuse) for the policy, then shown to ``on_pick``: a
+        list for a few (at most ``SMALL``), else an array."""
         layout = ns.layout
         obj = self.index.cx.blocks.cols["obj"]
         if p <= SMALL:  # (a few: scalar work, no array calls)
@@ -194,6 +199,10 @@ class Leases:
             ]
             if few and min(few) < 0:
                 raise AssertionError("a match names an object that is not there")
+            if len(few) <= SMALL:
+                self.index.touch_few(few, ns, now)
+                self.on_pick(ns, few)
+                return few
             picked = np.array(few, dtype=np.int32)
         else:
             parts = []
@@ -216,7 +225,9 @@ class Leases:
         if not p:
             return []
         bids = self.index.cx.find_keys(ns.ns_id, key_list[:p])
-        return [self.index.obj(oid) for oid in self.pick(ns, bids, p, now).tolist()]
+        picked = self.pick(ns, bids, p, now)
+        ids = picked if isinstance(picked, list) else picked.tolist()
+        return [self.index.obj(oid) for oid in ids]
 
     def release(self, lease_id: int, session: Session = LOCAL) -> bool:
         """End a lease ``session`` holds; another session's lease is left alone."""
@@ -232,7 +243,10 @@ class Leases:
     def _end_lease(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
         lease.owner.leases.discard(lease.lease_id)
-        self.index.unpin(lease.oids, lease.ns)
+        if isinstance(lease.oids, list):
+            self.index.unpin_few(lease.oids)
+        else:
+            self.index.unpin(lease.oids, lease.ns)
 
     def end_session(self, session: Session) -> None:
         """Release the leases of a closed session."""

@@ -11,7 +11,13 @@ tier has its own heap of evictable objects keyed by access tick (the DRAM and th
 NVMe policies rank separately); an object is in at most one of them, so one
 ``hpos`` column serves both. Every mutation of the index calls :meth:`refresh`
 on the objects whose evictability it may have changed: the object itself and
-its parent's full object. No I/O.
+its parent's full object.
+
+Pins are lazy: a lease pins its objects by counting only (a lookup and its
+release cost no heap operation), so a heap holds every evictable object and
+perhaps some pinned ones that would be evictable unpinned; :meth:`victim` takes
+a pinned object out when it reaches the top, and its last unpin puts it back.
+No I/O.
 """
 
 from __future__ import annotations
@@ -65,21 +71,24 @@ class Leaves:
     def full_of(self, bid: int) -> int:
         return int(self.full[self.blocks.cols["ns"][bid]])
 
-    def evictable(self, oids: I32) -> npt.NDArray[np.bool_]:
-        """Which of ``oids`` may be evicted now (see the module docstring)."""
+    def evictable(self, oids: I32, pins: bool = True) -> npt.NDArray[np.bool_]:
+        """Which of ``oids`` may be evicted now (see the module docstring);
+        ``pins=False``: would be, unpinned (may stay in a heap)."""
         o, b = self.objects.cols, self.blocks.cols
         bid = o["block"][oids]
         live = bid >= 0
         safe = np.where(live, bid, 0)
         full = o["group"][oids] == self.full[b["ns"][safe]]
         kids = np.where(o["tier"][oids] == 0, b["hot"][safe], b["children"][safe])
-        out: npt.NDArray[np.bool_] = live & (o["pins"][oids] == 0) & (~full | (kids == 0))
+        out: npt.NDArray[np.bool_] = live & (~full | (kids == 0))
+        if pins:
+            out &= o["pins"][oids] == 0
         return out
 
-    def evictable1(self, oid: int) -> bool:
-        block, pins, group, tier = self.objects.views("block", "pins", "group", "tier")
+    def evictable1(self, oid: int, pins: bool = True) -> bool:
+        block, pinned, group, tier = self.objects.views("block", "pins", "group", "tier")
         bid = block[oid]
-        if bid < 0 or pins[oid]:
+        if bid < 0 or (pins and pinned[oid]):
             return False
         ns, hot, children = self.blocks.views("ns", "hot", "children")
         if group[oid] != self.full[ns[bid]]:
@@ -91,13 +100,12 @@ class Leaves:
         or not (-1: none, ignored)."""
         if self.bulk or oid < 0:
             return
-        want = self.evictable1(oid)
-        hpos, tier = self.objects.views("hpos", "tier")
-        has = hpos[oid] >= 0
-        if want and not has:
+        hpos, tier, pins = self.objects.views("hpos", "tier", "pins")
+        if hpos[oid] >= 0:
+            if not self.evictable1(oid, pins=False):
+                self.heaps[tier[oid]].remove(oid)
+        elif not pins[oid] and self.evictable1(oid):
             self.heaps[tier[oid]].push(oid)
-        elif has and not want:
-            self.heaps[tier[oid]].remove(oid)
 
     def refresh(self, oids: I32) -> None:
         """:meth:`refresh1` for many objects (-1 entries ignored), vectorised."""
@@ -119,13 +127,13 @@ class Leaves:
                 self.refresh1(oid)
             return
         o = self.objects.cols
-        want = self.evictable(oids)
+        want = self.evictable(oids, pins=False)
         has = o["hpos"][oids] >= 0
         tier = o["tier"][oids]
         drop = has & ~want
         for oid, t in zip(oids[drop].tolist(), tier[drop].tolist(), strict=True):
             self.heaps[t].remove(oid)
-        add = want & ~has
+        add = want & ~has & (o["pins"][oids] == 0)
         for t in range(TIERS):
             rows = oids[add & (tier == t)]
             if rows.size:
@@ -178,10 +186,23 @@ class Leaves:
         bulk load, the heaps are built first (the load goes on with them kept)."""
         if self.bulk:
             self.rebuild()
-        return self.heaps[tier].top()
+        h = self.heaps[tier]
+        pins = self.objects.mv("pins")
+        while h.size:
+            top = h.top()
+            if not pins[top]:
+                return top
+            h.remove(top)  # (pinned: back at its last unpin)
+        return -1
 
     def size(self) -> int:
+        """Heap entries (the evictable objects, and perhaps pinned ones)."""
         return sum(h.size for h in self.heaps)
+
+    def evictable_count(self) -> int:
+        """The evictable objects (heap entries less the pinned ones: a scan)."""
+        pins = self.objects.cols["pins"]
+        return sum(h.size - int(np.count_nonzero(pins[h.heap[: h.size]])) for h in self.heaps)
 
     def nbytes(self) -> int:
         return sum(h.nbytes() for h in self.heaps)

@@ -34,15 +34,19 @@ class Promoter:
         # Makes DRAM room as a put's watermark does (``Tiers.demote_or_drop``).
         self.demote_or_drop = demote_or_drop
 
-    def on_pick(self, ns: NamespaceRecord, picked: npt.NDArray[np.int32]) -> None:
-        """A lookup read the object rows ``picked``: count the hits of NVMe objects
-        for promotion (``Leases``' pick hook)."""
+    def on_pick(self, ns: NamespaceRecord, picked: npt.NDArray[np.int32] | list[int]) -> None:
+        """A lookup read the object rows ``picked`` (a few: a list): count the hits
+        of NVMe objects for promotion (``Leases``' pick hook)."""
         need = self.cfg.promotion_hits
         if need <= 0:
             return
-        o = self.index.cx.objects.cols
-        nvme = picked[o["tier"][picked] != 0]
-        for oid in nvme.tolist():
+        if isinstance(picked, list):
+            tier = self.index.cx.objects.mv("tier")
+            nvme = [oid for oid in picked if tier[oid]]
+        else:
+            o = self.index.cx.objects.cols
+            nvme = picked[o["tier"][picked] != 0].tolist()
+        for oid in nvme:
             obj = self.index.obj(oid)
             if obj.tier and obj.hits != PROMOTING:
                 obj.hits += 1

@@ -287,14 +287,14 @@ class Lease:
         self,
         lease_id: int,
         ns: NamespaceRecord,
-        oids: np.ndarray,
+        oids: np.ndarray | list[int],
         expiry: float,
         owner: Session,
         st: Store,
     ) -> None:
         self.lease_id = lease_id
         self.ns = ns
-        self.oids = oids  # the object rows it pins (int32)
+        self.oids = oids  # the object rows it pins (int32; a small lease's: a list)
         self.expiry = expiry
         self.owner = owner  # only this session may release it
         self.st = st
@@ -302,7 +302,8 @@ class Lease:
     @property
     def objects(self) -> list[ObjectRecord]:
         """Its objects as handles (tests, admin)."""
-        return [self.st.obj(oid) for oid in self.oids.tolist()]
+        ids = self.oids if isinstance(self.oids, list) else self.oids.tolist()
+        return [self.st.obj(oid) for oid in ids]
 
 
 class Parked(StoredRecord):

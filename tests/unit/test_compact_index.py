@@ -575,3 +575,29 @@ def test_a_chunk_naming_a_key_twice_is_refused_whole() -> None:
     a, b = bytes(8) + b"\x01" * 8, bytes(8) + b"\x02" * 8
     k0, k1 = split_keys([a, b])
     assert (ix.add_blocks(0, k0, k1, zero[:2], zero[:2], np.zeros(2, np.int32)) >= 0).all()
+
+
+def test_pins_are_lazy_a_pinned_top_is_skipped_and_returns_at_its_last_unpin() -> None:
+    """A lease pins by counting only: the pinned object stays in its heap until it
+    reaches the top, where ``victim`` takes it out; its last unpin puts it back,
+    in the order of its tick."""
+    ix = CompactIndex(groups=1)
+    ix.namespace(0, None)  # windowed only: every object evictable
+    bids = np.concatenate([ix.add_chain(0, [key(0, (i,))]) for i in range(5)])
+    n = bids.size
+    oids = ix.add_objects(bids, 0, 0, np.arange(n, dtype=np.uint64), np.full(n, 64, np.uint32),
+                          np.zeros((n, 8), np.uint8), np.arange(n, dtype=np.uint64))  # fmt: skip
+    first, second = int(oids[0]), int(oids[1])
+    ix.pin(np.array([first, first], dtype=np.int32))  # two leases
+    heap = ix.leaves.heaps[0]
+    assert heap.size == n, "a pin costs no heap operation"
+    assert ix.stats()["evictable"] == n - 1
+    assert ix.victim() == second, "the pinned top is skipped"
+    assert heap.size == n - 1 and ix.objects.cols["hpos"][first] == -1
+    ix.unpin(np.array([first], dtype=np.int32))
+    assert ix.objects.cols["hpos"][first] == -1, "still pinned by the other lease"
+    ix.unpin_few([first])
+    assert ix.victim() == first, "back, ranked by its tick"
+    with pytest.raises(CompactIndexError):
+        ix.unpin_few([first])  # no lease holds it now: refused, nothing changed
+    assert ix.objects.cols["pins"][first] == 0
