@@ -44,17 +44,18 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from gcache._native import INDEX_KERNELS
 from gcache.errors import CompactIndexError
+from gcache.meta.fewrows import SMALL, FewRows, Freed
 from gcache.meta.keymap import KeyMap, split_keys
 from gcache.meta.leaves import NO_FULL, Leaves
 from gcache.meta.rowtable import RowTable, Slabs, unique_ids
 
 I32 = npt.NDArray[np.int32]
 U64 = npt.NDArray[np.uint64]
-Freed = tuple[int, int, int, int]  # (server, tier, offset, length) of an object gone
 
 DETACHED: Final = -2  # an object's block once evicted while pinned (-1: a free row)
-SMALL: Final = 16  # batches up to this size go through scalar loops (no array calls)
+
 LEAVING_DRAM: Final = -2  # ``hits`` of a full DRAM object being demoted
 
 
@@ -110,6 +111,8 @@ class CompactIndex:
         )
         self.sums_slabs = Slabs()  # each object's checksums, a slab per length
         self.keys = KeyMap(self.blocks, native)
+        self.kernels = INDEX_KERNELS if native else None
+        self.few = FewRows(self)  # a small lease's steps
         self.live_blocks = 0
         self.live_objects = 0
         self.leaves = Leaves(self.blocks, self.objects, native)
@@ -433,20 +436,11 @@ class CompactIndex:
         """A lease holds ``oids`` (each as often as named): not evictable until
         unpinned."""
         if oids.size <= SMALL:  # (a few: scalar work, no array calls)
-            self.pin_few(oids.tolist())
+            self.few.pin(oids.tolist())
             return
         self._check_live(oids)
         u, n = np.unique(oids, return_counts=True)
         self.objects.cols["pins"][u] += n.astype(np.int32)
-
-    def pin_few(self, ids: list[int]) -> None:
-        """:meth:`pin` of a few rows given as a list (scalar work, no arrays)."""
-        pins, block = self.objects.views("pins", "block")
-        rows = self.objects.rows
-        if any(not 0 <= oid < rows or block[oid] < 0 for oid in ids):
-            raise CompactIndexError("unknown object ids")
-        for oid in ids:  # (lazy: a pinned object leaves its heap at its top)
-            pins[oid] += 1
 
     def unpin(self, oids: I32) -> list[Freed]:
         """A lease on ``oids`` ended. Returns (server, tier, offset, length) of the
@@ -457,7 +451,7 @@ class CompactIndex:
         """:meth:`unpin`, each freed object with its (former) id."""
         o = self.objects.cols
         if oids.size <= SMALL:  # (a few: scalar work, no array calls)
-            return self.unpin_few(oids.tolist())
+            return self.few.unpin(oids.tolist())
         if oids.size and not ((oids >= 0) & (oids < self.objects.rows)).all():
             raise CompactIndexError("unpin of an object no lease holds")
         u, n = np.unique(oids, return_counts=True)
@@ -474,26 +468,13 @@ class CompactIndex:
         self.leaves.refresh(free[o["block"][free] >= 0])
         return freed
 
-    def unpin_few(self, ids: list[int]) -> list[tuple[int, Freed]]:
-        """:meth:`unpin_rows` of a few rows given as a list (no array calls)."""
+    def last_unpins(self, left: list[int]) -> list[tuple[int, Freed]]:
+        """Rows whose last pin went, out of their heap: a detached one freed (and
+        returned), a live one back in its heap if evictable."""
         o = self.objects.cols
-        pins, block, hpos = self.objects.views("pins", "block", "hpos")
-        rows = self.objects.rows
-        if len(set(ids)) == len(ids):  # (each once: a lease's objects)
-            want = dict.fromkeys(ids, 1)
-            if any(not 0 <= oid < rows or pins[oid] < 1 for oid in ids):
-                raise CompactIndexError("unpin of an object no lease holds")
-        else:
-            want = {}
-            for oid in ids:
-                want[oid] = want.get(oid, 0) + 1
-            if any(not 0 <= oid < rows or pins[oid] < n for oid, n in want.items()):
-                raise CompactIndexError("unpin of an object no lease holds")
+        block = self.objects.mv("block")
         freed = []
-        for oid, n in want.items():
-            pins[oid] -= n
-            if pins[oid] or hpos[oid] >= 0:  # (in its heap: pins are lazy, it stays)
-                continue
+        for oid in left:
             if block[oid] == DETACHED:
                 freed.append((oid, (int(o["server"][oid]), int(o["tier"][oid]),
                               int(o["offset"][oid]), int(o["length"][oid]))))  # fmt: skip
@@ -562,7 +543,7 @@ class CompactIndex:
         ``atime``: their access time too."""
         heaps = self.leaves.heaps
         if oids.size <= SMALL:  # (a few: scalar work, no array calls)
-            self.touch_few(oids.tolist(), tick, atime)
+            self.few.touch(oids.tolist(), tick, atime)
             return
         c = self.objects.cols
         c["tick"][oids] = tick
@@ -570,17 +551,6 @@ class CompactIndex:
             c["atime"][oids] = atime
         for oid in oids[c["hpos"][oids] >= 0].tolist():
             heaps[int(c["tier"][oid])].rekey(oid)
-
-    def touch_few(self, ids: list[int], tick: int, atime: float | None = None) -> None:
-        """:meth:`touch` of a few rows given as a list (scalar work, no arrays)."""
-        heaps = self.leaves.heaps
-        ticks, hpos, tier, at = self.objects.views("tick", "hpos", "tier", "atime")
-        for oid in ids:
-            ticks[oid] = tick
-            if atime is not None:
-                at[oid] = atime
-            if hpos[oid] >= 0:
-                heaps[tier[oid]].rekey(oid)
 
     def retick(self, oids: I32, ticks: U64) -> None:
         """New eviction keys for ``oids`` (a policy re-scored them)."""

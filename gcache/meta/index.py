@@ -23,10 +23,11 @@ from gcache.config import MetaConfig
 from gcache.errors import E_ACCESS_DENIED, E_BAD_REQUEST, E_UNKNOWN_NAMESPACE, Refusal
 from gcache.keys import KEY_SIZE
 from gcache.layout import Layout
-from gcache.meta.compact import LEAVING_DRAM, SMALL, Freed
+from gcache.meta.compact import LEAVING_DRAM
 from gcache.meta.events import EVICTED as REMOVED_EVICTED
 from gcache.meta.events import RemovalFeed
 from gcache.meta.eviction import EvictionPolicy
+from gcache.meta.fewrows import SMALL, Freed
 from gcache.meta.handles import GONE, LIVE, Entries, Ghost, Store
 from gcache.meta.leaves import float_tick, float_ticks
 from gcache.meta.quarantine import Quarantine
@@ -509,7 +510,7 @@ class Index:
     def unpin_few(self, ids: list[int]) -> None:
         """:meth:`unpin` of a few rows given as a list (a small lease's)."""
         if ids:
-            self._unpinned(self.cx.unpin_few(ids))
+            self._unpinned(self.cx.few.unpin(ids))
 
     def _unpinned(self, freed: list[tuple[int, Freed]]) -> None:
         """Free what a last unpin let go (detached objects)."""
@@ -538,11 +539,22 @@ class Index:
             if p.events:
                 p.accessed(oids, ns, now)
 
+    def lease_few(
+        self, ids: list[int], ns: NamespaceRecord, now: float
+    ) -> list[tuple[int, int, int, int, int, int, bytes]] | None:
+        """A small lease's rows pinned, touched and read in one pass
+        (``FewRows.lease``) where the policies need nothing but the
+        access (LRU); None: not done, the caller takes the general path."""
+        p0, p1 = self._policies
+        if not (p0.by_access and p1.by_access) or p0.events or p1.events:
+            return None
+        return self.cx.few.lease(ids, float_tick(now), now)
+
     def touch_few(self, ids: list[int], ns: NamespaceRecord, now: float) -> None:
         """:meth:`touch` of a few rows given as a list (a small lookup's)."""
         p0, p1 = self._policies
         if p0.by_access and p1.by_access and not (p0.events or p1.events):
-            self.cx.touch_few(ids, float_tick(now), now)
+            self.cx.few.touch(ids, float_tick(now), now)
         elif ids:
             self.touch(np.array(ids, dtype=np.int32), ns, now)
 

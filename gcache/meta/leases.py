@@ -13,7 +13,7 @@ import numpy.typing as npt
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_NO_SPACE, Refusal
-from gcache.meta.compact import SMALL
+from gcache.meta.fewrows import SMALL
 from gcache.meta.ids import IdSource, wall_ms
 from gcache.meta.index import Index
 from gcache.meta.records import Lease, NamespaceRecord, ObjectRecord
@@ -60,40 +60,28 @@ class Leases:
         p, bids = self.match_blocks(ns, req.keys, len(req.keys))
         if p == 0 or not req.lease:
             return wire.LookupResult(blocks=p, tokens=p * layout.block_size)
-        picked = self.pick(ns, bids, p, now)
+        picked = self.rows_of(ns, bids, p)
+        got = self.index.lease_few(picked, ns, now) if isinstance(picked, list) else None
+        if got is not None:  # (a few, LRU: pinned, touched and read in one pass)
+            self.on_pick(ns, picked)
+            fields = got
+        else:  # (pinned first: nothing the promotion hook does may evict them)
+            if isinstance(picked, list):
+                self.index.cx.few.pin(picked)
+            else:
+                self.index.pin(picked)
+            self._touched(ns, picked, now)
+            fields = self._fields(picked)
         lease_id = _LEASE_IDS.next(self.leases)
         expiry = now + self.cfg.lease_ttl_s
         expiry_ms = wall_ms(wall, now, expiry - GRANT_MARGIN_S)
         index: dict[int, int] = {}
         servers: list[wire.ServerAddr] = []
         locs: list[wire.ObjectLoc] = []
-        cx = self.index.cx
-        if isinstance(picked, list):  # (a few: scalar reads, no array calls)
-            ids = picked
-            cx.pin_few(ids)
-            cs, co, cl, ct, cg, cb = cx.objects.views(
-                "server", "offset", "length", "tier", "group", "block"
-            )
-            bp = cx.blocks.mv("pos")
-            slots = [cs[i] for i in ids]
-            offs = [co[i] for i in ids]
-            lens = [cl[i] for i in ids]
-            tiers = [ct[i] for i in ids]
-            groups = [cg[i] for i in ids]
-            pos = [bp[cb[i]] for i in ids]
-        else:
-            self.index.pin(picked)
-            o, b = cx.objects.cols, cx.blocks.cols
-            slots = o["server"][picked].tolist()
-            offs = o["offset"][picked].tolist()
-            lens = o["length"][picked].tolist()
-            tiers = o["tier"][picked].tolist()
-            groups = o["group"][picked].tolist()
-            pos = b["pos"][o["block"][picked]].tolist()
-        sums = self._sums(picked)
         table = self.index.store.servers
         mint, read, Grant, Loc = capability.mint, capability.KIND_READ, wire.Grant, wire.ObjectLoc
-        for i, slot in enumerate(slots):
+        nbytes = 0
+        for slot, off, ln, tier, group, pos, sums in fields:
             si = index.get(slot)
             srv = table[slot]
             assert srv is not None
@@ -103,19 +91,34 @@ class Leases:
             # The grant says the tier (an NVMe object is read over TCP from the
             # server's tier) and carries this meta's epoch; the tag covers both.
             ep = srv.grant_epoch
-            off, ln, tier = offs[i], lens[i], tiers[i]
             tag = mint(srv.secret, read, off, ln, expiry_ms, tier, ep)
-            locs.append(
-                Loc(pos[i], groups[i], si, Grant(off, ln, expiry_ms, tag, tier, ep), sums[i])
-            )
+            locs.append(Loc(pos, group, si, Grant(off, ln, expiry_ms, tag, tier, ep), sums))
+            nbytes += ln
         self.leases[lease_id] = Lease(lease_id, ns, picked, expiry, session, self.index.store)
         session.leases.add(lease_id)
         heapq.heappush(self._lease_heap, (expiry, lease_id))
         c = self.counters
         c["leases_granted"] += 1
-        c["leased_objects"] += len(slots)
-        c["leased_bytes"] += sum(lens)
+        c["leased_objects"] += len(fields)
+        c["leased_bytes"] += nbytes
         return wire.LookupResult(p, p * layout.block_size, lease_id, locs, servers)
+
+    def _fields(self, picked: Picked) -> list[tuple[int, int, int, int, int, int, bytes]]:
+        """The picked rows' reply fields, as ``FewRows.lease`` gives them."""
+        cx = self.index.cx
+        o, b = cx.objects.cols, cx.blocks.cols
+        return list(
+            zip(
+                o["server"][picked].tolist(),
+                o["offset"][picked].tolist(),
+                o["length"][picked].tolist(),
+                o["tier"][picked].tolist(),
+                o["group"][picked].tolist(),
+                b["pos"][o["block"][picked]].tolist(),
+                self._sums(picked),
+                strict=True,
+            )
+        )
 
     def _sums(self, oids: Picked) -> list[bytes]:
         """Each object's checksums, read per checksum width as one block of bytes."""
@@ -184,9 +187,22 @@ class Leases:
         return p, bids
 
     def pick(self, ns: NamespaceRecord, bids: I32, p: int, now: float) -> Picked:
-        """The object rows a match of ``p`` blocks reads (group by group, block by
-        block), touched (a reuse) for the policy, then shown to ``on_pick``: a
-        list for a few (at most ``SMALL``), else an array."""
+        """The object rows a match of ``p`` blocks reads (:meth:`rows_of`),
+        touched (a reuse) for the policy, then shown to ``on_pick``."""
+        picked = self.rows_of(ns, bids, p)
+        self._touched(ns, picked, now)
+        return picked
+
+    def _touched(self, ns: NamespaceRecord, picked: Picked, now: float) -> None:
+        if isinstance(picked, list):
+            self.index.touch_few(picked, ns, now)
+        else:
+            self.index.touch(picked, ns, now)
+        self.on_pick(ns, picked)
+
+    def rows_of(self, ns: NamespaceRecord, bids: I32, p: int) -> Picked:
+        """The object rows a match of ``p`` blocks reads, group by group, block
+        by block: a list for a few (at most ``SMALL``), else an array."""
         layout = ns.layout
         obj = self.index.cx.blocks.cols["obj"]
         if p <= SMALL:  # (a few: scalar work, no array calls)
@@ -200,8 +216,6 @@ class Leases:
             if few and min(few) < 0:
                 raise AssertionError("a match names an object that is not there")
             if len(few) <= SMALL:
-                self.index.touch_few(few, ns, now)
-                self.on_pick(ns, few)
                 return few
             picked = np.array(few, dtype=np.int32)
         else:
@@ -213,8 +227,6 @@ class Leases:
             picked = np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32)
             if picked.size and int(picked.min()) < 0:
                 raise AssertionError("a match names an object that is not there")
-        self.index.touch(picked, ns, now)
-        self.on_pick(ns, picked)
         return picked
 
     def pick_keys(

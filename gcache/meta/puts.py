@@ -13,7 +13,7 @@ import numpy as np
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
 from gcache.errors import E_BAD_REQUEST, E_UNKNOWN_PUT, Refusal
-from gcache.meta.compact import SMALL
+from gcache.meta.fewrows import SMALL
 from gcache.meta.ids import new_id, wall_ms
 from gcache.meta.index import Index
 from gcache.meta.membership import Membership
