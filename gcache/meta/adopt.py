@@ -103,7 +103,7 @@ class Adoption:
             and owners is None
             and srv is not None
             and n
-            and cols.namespace[0] not in namespaces
+            and cols.namespace_at(0) not in namespaces
             and self.park_chunk(srv, cols, now)
         ):
             return 0, 0, []

@@ -103,7 +103,7 @@ class ParkedBooks:
     def park_chunk(self, chunk: ParkedChunk) -> None:
         chunk.server.parked.update(dict.fromkeys(chunk.ranges, chunk))
         self._chunks[id(chunk)] = chunk
-        self._ns_chunks.setdefault(chunk.cols.namespace[0], []).append(chunk)
+        self._ns_chunks.setdefault(chunk.cols.namespace_at(0), []).append(chunk)
         self._rows += len(chunk.cols)
 
     # ---- out ---------------------------------------------------------------------

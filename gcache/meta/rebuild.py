@@ -48,6 +48,8 @@ from __future__ import annotations
 from collections import Counter
 from operator import attrgetter
 
+import numpy as np
+
 from gcache.config import MetaConfig
 from gcache.keys import KEY_SIZE
 from gcache.meta.adopt import Adoption, parked_from
@@ -146,7 +148,7 @@ class Rebuild:
             return None
         if srv.reported is None:
             return 0, self._reported_again(srv, parked_from(cols))
-        if (len(cols) and cols.namespace[0] in self.index.namespaces) or (
+        if (len(cols) and cols.namespace_at(0) in self.index.namespaces) or (
             last and self.streams.holds(srv.server_id)
         ):
             return self._merged(srv, cols, last, now)
@@ -431,7 +433,7 @@ class Rebuild:
                         for i, (t, off) in enumerate(zip(cols.tier, cols.offset, strict=True))
                         if t or off not in c.skip
                     ]
-                    cols = Columns(*([col[i] for i in keep] for col in cols.fields()))
+                    cols = cols.take(np.array(keep, dtype=np.int64))
                 parts.append(cols)
                 owners += [c] * len(cols)
             cols, ordered = in_order(concat(parts), owners)

@@ -20,10 +20,9 @@ its end and when it stalls. Plain bookkeeping, no I/O, no clock of its own.
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from itertools import pairwise
-from operator import itemgetter
 from typing import Final, TypeVar
+
+import numpy as np
 
 from gcache.meta.records import ServerRecord
 from gcache.storage.columns import Columns, concat, split
@@ -65,11 +64,11 @@ class StreamMerge:
         if last:
             front.pop(sid, None)
         elif len(cols):
-            front[sid] = max(cols.pos[-1], front.get(sid, 0))
+            front[sid] = max(int(cols.arrays.pos[-1]), front.get(sid, 0))
         limit = min(front.values(), default=NO_LIMIT)
         if self.rows + len(cols) > self.max_rows:
             limit = NO_LIMIT  # hold nothing more
-        k = len(cols) if last else bisect_right(cols.pos, limit)
+        k = len(cols) if last else _upto(cols, limit)
         head, rest = split(cols, k)
         parts: list[Part] = [(srv, head)]
         if len(rest):
@@ -79,7 +78,7 @@ class StreamMerge:
         for osid, (osrv, ocols, osince) in list(held.items()):
             if osid == sid:
                 continue
-            k = bisect_right(ocols.pos, limit) if osrv.alive else len(ocols)
+            k = _upto(ocols, limit) if osrv.alive else len(ocols)
             if not k:
                 continue
             del held[osid]
@@ -120,18 +119,20 @@ class StreamMerge:
         }
 
 
+def _upto(cols: Columns, limit: int) -> int:
+    """How many leading rows of ``cols`` are at positions up to ``limit``."""
+    return int(np.searchsorted(cols.arrays.pos, limit, side="right"))
+
+
 def in_order(cols: Columns, servers: list[T] | None = None) -> tuple[Columns, list[T] | None]:
     """``cols`` (and ``servers``, something per row: its server, its chunk) in
-    block position order, stable; as they are when already so (concatenated runs:
-    the sort is about linear)."""
-    pos = cols.pos
-    if len(pos) < 2 or all(a <= b for a, b in pairwise(pos)):
+    block position order, stable; as they are when already so."""
+    pos = cols.arrays.pos
+    if pos.size < 2 or bool((pos[1:] >= pos[:-1]).all()):
         return cols, servers
-    pick = itemgetter(*sorted(range(len(pos)), key=pos.__getitem__))
-    out = Columns(*(list(pick(col)) for col in cols.fields()))
-    if cols.layer_bytes is None:
-        out.layer_bytes = None
-    return out, (None if servers is None else list(pick(servers)))
+    order = np.argsort(pos, kind="stable")
+    out = cols.take(order)
+    return out, (None if servers is None else [servers[i] for i in order.tolist()])
 
 
 def merged(parts: list[Part]) -> tuple[Columns, list[ServerRecord]]:

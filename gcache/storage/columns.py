@@ -12,12 +12,13 @@ is refused whole (:class:`gcache.errors.ProtocolError`, one line naming the colu
 and nothing of it is adopted.
 
 :func:`decode` returns the records ordered by block position (stable), parents
-before children, whatever order the server sent.
+before children, whatever order the server sent, as arrays (:class:`ColArrays`:
+no Python object per record); the lists of the row-by-row paths are made only
+when one asks for them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -34,64 +35,219 @@ _LE = {2: "<u2", 4: "<u4", 8: "<u8", 1: "u1"}
 
 
 @dataclass(slots=True)
-class Columns:
-    """Decoded records, one list entry per record, in block-position order."""
+class ColArrays:
+    """Records as arrays, one row each (what :func:`decode` makes: no Python
+    object per record). ``sums`` is a byte blob several chunks' rows may share
+    after slicing: each row's checksums are ``sums[sum_at[i]:sum_at[i] +
+    sum_len[i]]``."""
 
-    namespace: list[bytes]
-    key: list[bytes]
-    parent: list[bytes]  # b"" for block 0
-    pos: list[int]
-    group: list[int]
-    tier: list[int]
-    offset: list[int]
-    length: list[int]
-    sums: list[bytes]
-    seq: list[int]
-    # per-record layer lengths (() = equal layers); None when no record has any
-    layer_bytes: list[tuple[int, ...]] | None
+    spaces: list[bytes]  # the distinct namespaces
+    ns: np.ndarray[Any, Any]  # per row: its namespace in spaces
+    keys: np.ndarray[Any, Any]  # (n, 16) uint8
+    parents: np.ndarray[Any, Any]  # (n, 16) uint8 (a root's: zeros)
+    pos: np.ndarray[Any, Any]  # int64 (as the rest)
+    group: np.ndarray[Any, Any]
+    tier: np.ndarray[Any, Any]
+    offset: np.ndarray[Any, Any]
+    length: np.ndarray[Any, Any]
+    seq: np.ndarray[Any, Any]
+    sums: np.ndarray[Any, Any]  # uint8 blob
+    sum_at: np.ndarray[Any, Any]
+    sum_len: np.ndarray[Any, Any]
 
     def __len__(self) -> int:
-        return len(self.key)
+        return int(self.pos.size)
+
+    def take(self, idx: Any) -> ColArrays:
+        """The rows ``idx`` (a slice or an index array); the blob is shared."""
+        return ColArrays(
+            self.spaces, self.ns[idx], self.keys[idx], self.parents[idx], self.pos[idx],
+            self.group[idx], self.tier[idx], self.offset[idx], self.length[idx],
+            self.seq[idx], self.sums, self.sum_at[idx], self.sum_len[idx],
+        )  # fmt: skip
+
+
+def _blob_part(a: ColArrays) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The bytes of ``a``'s rows' checksums and each row's place in them: one
+    slice of the blob when they lie in it end to end (as decoded and split),
+    else gathered."""
+    n = len(a)
+    if not n:
+        return a.sums[:0], a.sum_at[:0]
+    at, ln = a.sum_at, a.sum_len
+    lo = int(at[0])
+    if n == 1 or (at[1:] == at[:-1] + ln[:-1]).all():
+        return a.sums[lo : int(at[-1] + ln[-1])], at - lo
+    mv = memoryview(a.sums.data)
+    blob = b"".join([mv[x : x + y] for x, y in zip(at.tolist(), ln.tolist(), strict=True)])
+    ends = np.cumsum(ln)
+    return np.frombuffer(blob, np.uint8), ends - ln
+
+
+def concat_arrays(parts: Sequence[ColArrays]) -> ColArrays:
+    """Parts end to end (namespaces re-indexed, checksums copied once)."""
+    spaces: dict[bytes, int] = {}
+    ns, blobs, ats = [], [], []
+    base = 0
+    for a in parts:
+        remap = np.array([spaces.setdefault(x, len(spaces)) for x in a.spaces] or [0], np.uint16)
+        ns.append(remap[a.ns])
+        blob, at = _blob_part(a)
+        blobs.append(blob)
+        ats.append(at + base)
+        base += blob.size
+    cat = np.concatenate
+    return ColArrays(
+        list(spaces), cat(ns), cat([a.keys for a in parts]), cat([a.parents for a in parts]),
+        cat([a.pos for a in parts]), cat([a.group for a in parts]), cat([a.tier for a in parts]),
+        cat([a.offset for a in parts]), cat([a.length for a in parts]),
+        cat([a.seq for a in parts]), cat(blobs), cat(ats), cat([a.sum_len for a in parts]),
+    )  # fmt: skip
+
+
+def _lists_of(a: ColArrays) -> list[list[Any]]:
+    """The rows of ``a`` as lists in FIELDS order (without layer lengths)."""
+    n = len(a)
+    sp = a.spaces
+    kb, pb_ = a.keys.tobytes(), a.parents.tobytes()
+    pos = a.pos.tolist()
+    mv = memoryview(a.sums.data)
+    return [
+        [sp[0]] * n if len(sp) == 1 else [sp[i] for i in a.ns.tolist()],
+        [kb[i : i + KEY] for i in range(0, n * KEY, KEY)],
+        [pb_[KEY * i : KEY * i + KEY] if p else b"" for i, p in enumerate(pos)],
+        pos,
+        a.group.tolist(),
+        a.tier.tolist(),
+        a.offset.tolist(),
+        a.length.tolist(),
+        [bytes(mv[x : x + y]) for x, y in zip(a.sum_at.tolist(), a.sum_len.tolist(), strict=True)],
+        a.seq.tolist(),
+    ]
+
+
+def _arrays_of(lists: list[list[Any]]) -> ColArrays:
+    """:class:`ColArrays` of rows given as lists (records built one by one)."""
+    nsl, key, parent, pos, group, tier, offset, length, sums, seq = lists
+    n = len(key)
+    spaces: dict[bytes, int] = {}
+    ns = np.fromiter((spaces.setdefault(x, len(spaces)) for x in nsl), np.uint16, n)
+    zero = bytes(KEY)
+    ln = np.fromiter(map(len, sums), np.int64, n)
+    i64 = np.int64
+
+    def arr(x: list[int]) -> np.ndarray[Any, Any]:
+        return np.array(x, dtype=np.uint64).astype(i64) if n else np.zeros(0, i64)
+
+    return ColArrays(
+        list(spaces), ns,
+        np.frombuffer(b"".join(key), np.uint8).reshape(n, KEY),
+        np.frombuffer(b"".join([p or zero for p in parent]), np.uint8).reshape(n, KEY),
+        arr(pos), arr(group), arr(tier), arr(offset), arr(length), arr(seq),
+        np.frombuffer(b"".join(sums), np.uint8), np.cumsum(ln) - ln, ln,
+    )  # fmt: skip
+
+
+LIST_NAMES: Final = ("namespace", "key", "parent", "pos", "group", "tier", "offset", "length",
+                 "sums", "seq")  # fmt: skip
+
+
+class Columns:
+    """Records in block-position order: as arrays (:class:`ColArrays`, what
+    :func:`decode` gives and the bulk adoption reads) and as one list per field
+    (made on first use, for the row-by-row paths). Built from lists (records
+    one by one) it makes its arrays on first use."""
+
+    __slots__ = ("_a", "_l", "layer_bytes")
+
+    def __init__(
+        self,
+        namespace: list[bytes],
+        key: list[bytes],
+        parent: list[bytes],
+        pos: list[int],
+        group: list[int],
+        tier: list[int],
+        offset: list[int],
+        length: list[int],
+        sums: list[bytes],
+        seq: list[int],
+        # per-record layer lengths (() = equal layers); None when no record has any
+        layer_bytes: list[tuple[int, ...]] | None,
+    ) -> None:
+        self._l: list[list[Any]] | None = [
+            namespace, key, parent, pos, group, tier, offset, length, sums, seq,
+        ]  # fmt: skip
+        self._a: ColArrays | None = None
+        self.layer_bytes = layer_bytes
+
+    @classmethod
+    def of(cls, a: ColArrays, layer_bytes: list[tuple[int, ...]] | None = None) -> Columns:
+        out = cls.__new__(cls)
+        out._a, out._l, out.layer_bytes = a, None, layer_bytes
+        return out
+
+    @property
+    def arrays(self) -> ColArrays:
+        if self._a is None:
+            assert self._l is not None
+            self._a = _arrays_of(self._l)
+        return self._a
+
+    def _lists(self) -> list[list[Any]]:
+        if self._l is None:
+            assert self._a is not None
+            self._l = _lists_of(self._a)
+        return self._l
+
+    # (the lists, made on first use; ``arrays`` reads without making them)
+    namespace = property(lambda self: self._lists()[0])
+    key = property(lambda self: self._lists()[1])
+    parent = property(lambda self: self._lists()[2])
+    group = property(lambda self: self._lists()[4])
+    tier = property(lambda self: self._lists()[5])
+    offset = property(lambda self: self._lists()[6])
+    length = property(lambda self: self._lists()[7])
+    sums = property(lambda self: self._lists()[8])
+    seq = property(lambda self: self._lists()[9])
+
+    pos = property(lambda self: self._lists()[3])
+
+    def namespace_at(self, i: int) -> bytes:
+        """Row ``i``'s namespace (no lists made)."""
+        if self._a is not None:
+            return self._a.spaces[int(self._a.ns[i])]
+        return self._lists()[0][i]  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        if self._a is not None:
+            return len(self._a)
+        assert self._l is not None
+        return len(self._l[1])
 
     def fields(self) -> list[Sequence[Any]]:
         """The columns in :data:`gcache.storage.record.FIELDS` order
         (``layer_bytes`` all ``()`` when no record has any)."""
         lbs = self.layer_bytes
-        return [
-            self.namespace,
-            self.key,
-            self.parent,
-            self.pos,
-            self.group,
-            self.tier,
-            self.offset,
-            self.length,
-            self.sums,
-            self.seq,
-            lbs if lbs is not None else [()] * len(self.key),
-        ]
+        return [*self._lists(), lbs if lbs is not None else [()] * len(self)]
 
-
-# The columns every record has (all but ``layer_bytes``), in FIELDS order.
-_LISTS: Final = tuple(f.name for f in dataclasses.fields(Columns))[:-1]
+    def take(self, idx: Any) -> Columns:
+        """The rows ``idx`` (a slice or an index array), in that order."""
+        lbs = self.layer_bytes
+        if lbs is not None:
+            pick = range(len(self))[idx] if isinstance(idx, slice) else np.asarray(idx).tolist()
+            lbs = [lbs[i] for i in pick] if any(lbs[i] for i in pick) else None
+        return Columns.of(self.arrays.take(idx), lbs)
 
 
 def split(cols: Columns, k: int) -> tuple[Columns, Columns]:
-    """The first ``k`` records and the rest (list slices, no record objects)."""
-    lbs = cols.layer_bytes
-    head = Columns(*(getattr(cols, f)[:k] for f in _LISTS), None)  # type: ignore[arg-type,call-arg]
-    tail = Columns(*(getattr(cols, f)[k:] for f in _LISTS), None)  # type: ignore[arg-type,call-arg]
-    if lbs is not None:
-        head.layer_bytes, tail.layer_bytes = lbs[:k] or None, lbs[k:] or None
-    return head, tail
+    """The first ``k`` records and the rest (array slices, no record objects)."""
+    return cols.take(slice(0, k)), cols.take(slice(k, len(cols)))
 
 
 def concat(parts: Sequence[Columns]) -> Columns:
     """Chunks end to end, in the order given (not re-sorted)."""
-    out = Columns(*([] for _ in _LISTS), None)  # type: ignore[arg-type,call-arg]
-    for c in parts:
-        for f in _LISTS:
-            getattr(out, f).extend(getattr(c, f))
+    out = Columns.of(concat_arrays([c.arrays for c in parts]))
     if any(c.layer_bytes for c in parts):
         lbs: list[tuple[int, ...]] = []
         for c in parts:
@@ -212,37 +368,20 @@ def decode(cols: Any) -> Columns:
         ends = lb_end.tolist()
         starts = [0, *ends[:-1]]
         layer_lists = [tuple(flat[a:b]) for a, b in zip(starts, ends, strict=True)]
-    ends8 = sum_end.tolist()
-    starts8 = [0, *ends8[:-1]] if n else []
-    pos_l = pos.tolist()
-    ns_l = ns_index.tolist()
+    i64 = np.int64
+    kv = np.frombuffer(keys, np.uint8).reshape(n, KEY)
+    pv = np.frombuffer(parents, np.uint8).reshape(n, KEY)
+    if n and (pos == 0).any():  # (a root's parent field is ignored: zeros)
+        pv = pv.copy()
+        pv[pos == 0] = 0
+    sum_len = nsums.astype(i64) * 8
+    a = ColArrays(
+        spaces, ns_index, kv, pv, pos.astype(i64), group.astype(i64), tier.astype(i64),
+        offset.astype(i64), length.astype(i64), seq.astype(i64),
+        np.frombuffer(sums, np.uint8), sum_end - sum_len, sum_len,
+    )  # fmt: skip
     if n < 2 or bool((pos[1:] >= pos[:-1]).all()):  # as servers send: no reordering
-        one = spaces[0] if len(spaces) == 1 else None
-        return Columns(
-            namespace=[one] * n if one is not None else [spaces[i] for i in ns_l],
-            key=[keys[i : i + KEY] for i in range(0, n * KEY, KEY)],
-            parent=[parents[KEY * i : KEY * i + KEY] if p else b"" for i, p in enumerate(pos_l)],
-            pos=pos_l,
-            group=group.tolist(),
-            tier=tier.tolist(),
-            offset=offset.tolist(),
-            length=length.tolist(),
-            sums=[sums[a:b] for a, b in zip(starts8, ends8, strict=True)],
-            seq=seq.tolist(),
-            layer_bytes=layer_lists,
-        )
+        return Columns.of(a, layer_lists)
     order = np.argsort(pos, kind="stable")
-    idx = order.tolist()
-    return Columns(
-        namespace=[spaces[ns_l[i]] for i in idx],
-        key=[keys[KEY * i : KEY * i + KEY] for i in idx],
-        parent=[parents[KEY * i : KEY * i + KEY] if pos_l[i] else b"" for i in idx],
-        pos=[pos_l[i] for i in idx],
-        group=group[order].tolist(),
-        tier=tier[order].tolist(),
-        offset=offset[order].tolist(),
-        length=length[order].tolist(),
-        sums=[sums[starts8[i] : ends8[i]] for i in idx],
-        seq=seq[order].tolist(),
-        layer_bytes=[layer_lists[i] for i in idx] if layer_lists is not None else None,
-    )
+    lbs = [layer_lists[i] for i in order.tolist()] if layer_lists is not None else None
+    return Columns.of(a.take(order), lbs)
