@@ -111,8 +111,10 @@ class Adoption:
         deferred: list[Parked] = []
         adopted = dropped = 0
         base = now - 1.0  # recency(now, seq)
-        fields = cols.fields()
-        nsc = fields[0]
+        arrays = cols.arrays
+        nsa = arrays.ns
+        cuts = (np.flatnonzero(nsa[1:] != nsa[:-1]) + 1).tolist() if n > 1 else []
+        fields: list[Any] | None = None  # (the lists: made if a run goes row by row)
         cur: ServerRecord | None = None
         held: Reported | None = None
         sparked: dict[int, Parked | ParkedChunk] = {}
@@ -127,18 +129,15 @@ class Adoption:
         rows: list[Any] | None = None  # (row, origin, owner, server): made if needed
         mk = parked_row
         run: AdoptRun | None = None
-        i = 0
-        while i < n:
+        for i, j in zip([0, *cuts], [*cuts, n], strict=True):
+            if i == j:
+                continue
             # A run of rows of one namespace: its blocks probed at once, its new
             # blocks and objects added at its end, in bulk.
-            fp = nsc[i]
-            j = i
-            while j < n and nsc[j] == fp:
-                j += 1
-            ns = namespaces.get(fp)
-            run = None if ns is None else AdoptRun(self.index, ns, fields, i, j)
+            ns = namespaces.get(arrays.spaces[int(nsa[i])])
+            run = None if ns is None else AdoptRun(self.index, ns, arrays, i, j)
             if run is not None:  # a clean run (nearly all): at once
-                fast = run.fast(fields, i, j, row_srvs[i:j], base)
+                fast = run.fast(arrays, cols.layer_bytes, i, j, row_srvs[i:j], base)
                 if fast is not None:
                     if mine and credit is not None and cur is not None:
                         credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
@@ -147,9 +146,9 @@ class Adoption:
                         adopted += m
                         if credit is not None:
                             credit[sid] = credit.get(sid, 0) + m
-                    i = j
                     continue
             if rows is None:
+                fields = cols.fields()
                 rows = list(
                     zip(
                         zip(*fields, strict=True),
@@ -209,7 +208,6 @@ class Adoption:
                     dropped += 1
             if run is not None:
                 run.finish()
-            i = j
         if mine and credit is not None and cur is not None:
             credit[cur.server_id] = credit.get(cur.server_id, 0) + mine
         return adopted, dropped, deferred

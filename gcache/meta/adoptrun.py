@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from gcache.meta.index import Index
 from gcache.meta.keymap import split_keys
 from gcache.meta.records import NamespaceRecord, ServerRecord, group_layer_bytes
+from gcache.storage.columns import ColArrays
 
 ADOPTED, DEFERRED, AGAIN, INVALID, DUPLICATE = range(5)
 _ROOT = bytes(16)
@@ -24,7 +26,7 @@ class AdoptRun:
     objects they bring kept in lists, added to the index in bulk by
     :meth:`finish`. A new block is numbered ``-1 - i`` until then."""
 
-    def __init__(self, index: Index, ns: NamespaceRecord, fields: list[Any], a: int, b: int):
+    def __init__(self, index: Index, ns: NamespaceRecord, cols: ColArrays, a: int, b: int):
         self.index = index
         self.ns = ns
         layout = ns.layout
@@ -32,22 +34,19 @@ class AdoptRun:
         self.nsums = [8 * len(x) for x in layout.group_layers]
         self.layout = layout
         cx = index.cx
-        keys = list(fields[1][a:b])
-        parents = [p or _ROOT for p in fields[2][a:b]]
-        n = len(keys)
-        ok = {*map(len, keys), *map(len, parents)} <= {16}
-        if ok:
-            exb = cx.find_keys(ns.ns_id, keys)
-            pex = cx.find_keys(ns.ns_id, parents)
-        else:  # (a malformed key: probed one by one, refused below)
-            exb = np.array([ns.entries.find(k) for k in keys], dtype=np.int32)
-            pex = np.array([ns.entries.find(p) for p in parents], dtype=np.int32)
+        kv = cols.keys[a:b].view("<u8")  # (rows, 2): the keys' two halves
+        pv = cols.parents[a:b].view("<u8")
+        self.k0, self.k1, self.pk0, self.pk1 = kv[:, 0], kv[:, 1], pv[:, 0], pv[:, 1]
+        n = b - a
+        exb = cx.keys.find(ns.ns_id, self.k0, self.k1)
+        pex = cx.keys.find(ns.ns_id, self.pk0, self.pk1)
         self.exb = exb
-        self.ex = exb.tolist()
-        self.pex = pex.tolist()
-        self.ppos = np.where(
-            pex >= 0, cx.blocks.cols["pos"][np.where(pex >= 0, pex, 0)], -1
-        ).tolist()
+        self.pex_a = pex
+        self.ppos_a = np.where(pex >= 0, cx.blocks.cols["pos"][np.where(pex >= 0, pex, 0)], -1)
+        # (as lists, for the row-by-row path: made at its first row)
+        self.ex: list[int] = []
+        self.pex: list[int] = []
+        self.ppos: list[int] = []
         self._objs: list[list[int]] | None = None
         self.n = n
         self.k = 0  # the row being adopted, in the run
@@ -67,42 +66,48 @@ class AdoptRun:
         self.taken: set[tuple[int, int]] = set()  # (server, DRAM offset) adopted here
 
     def fast(
-        self, fields: list[Any], a: int, b: int, srvs: list[ServerRecord], base: float
+        self,
+        cols: ColArrays,
+        lbs: list[tuple[int, ...]] | None,
+        a: int,
+        b: int,
+        srvs: list[ServerRecord],
+        base: float,
     ) -> dict[str, int] | None:
         """The whole run at once when it is clean: every row valid (range, group,
         length, checksums), no two rows for one object or one DRAM range, no
         object there already, every new block's parent in the index or earlier in
         the run at the position before. Returns the objects adopted per server,
         or None (nothing done: the caller goes row by row, which says what is
-        wrong with which row)."""
+        wrong with which row). Reads the chunk's arrays only (``lbs``: its rows'
+        layer lengths, or None)."""
         n = b - a
         if not n or self.k:
             return None
-        keys, parents = fields[1][a:b], fields[2][a:b]
-        pos, grp, tier = fields[3][a:b], fields[4][a:b], fields[5][a:b]
-        off, length, sums, seq, lbs = (f[a:b] for f in fields[6:11])
+        pos, g_a, t_a = cols.pos[a:b], cols.group[a:b], cols.tier[a:b]
+        o_a, l_a, seq = cols.offset[a:b], cols.length[a:b], cols.seq[a:b]
         sizes, nsums, layout = self.sizes, self.nsums, self.layout
         ng = len(sizes)
         # the rows, as the row-by-row path checks them (vectorised)
-        g_a = np.array(grp, dtype=np.int64)
-        t_a = np.array(tier, dtype=np.int64)
-        if int(g_a.max()) >= ng or int(t_a.max()) > 1:
+        if int(g_a.min()) < 0 or int(g_a.max()) >= ng or int(t_a.min()) < 0 or int(t_a.max()) > 1:
             return None
-        if (np.array(length, dtype=np.int64) != np.array(sizes)[g_a]).any():
+        if (l_a != np.array(sizes)[g_a]).any() or (o_a < 0).any():
             return None
-        if (np.fromiter(map(len, sums), np.int64, n) != np.array(nsums)[g_a]).any():
+        width_a = cols.sum_len[a:b]
+        if (width_a != np.array(nsums)[g_a]).any():
             return None
-        if any(lbs) and any(
-            lb and lb != group_layer_bytes(layout, g) for lb, g in zip(lbs, grp, strict=True)
+        if lbs is not None and any(
+            lb and lb != group_layer_bytes(layout, int(g))
+            for lb, g in zip(lbs[a:b], g_a.tolist(), strict=True)
         ):
             return None
         # DRAM ranges: in the segment, aligned, nobody else's (per server)
-        o_a = np.array(off, dtype=np.int64)
-        l_a = np.array(length, dtype=np.int64)
-        sid = np.array([id(s) for s in srvs], dtype=np.int64)
+        first = srvs[0]
+        one = all(s is first for s in srvs)
+        sid = None if one else np.array([id(s) for s in srvs], dtype=np.int64)
         dram = t_a == 0
-        for s in {id(x): x for x in srvs}.values():
-            mine = dram & (sid == id(s))
+        for s in [first] if one else list({id(x): x for x in srvs}.values()):
+            mine = dram if sid is None else dram & (sid == id(s))
             if not mine.any():
                 continue
             al = s.allocator
@@ -117,8 +122,11 @@ class AdoptRun:
             held = s.reported
             if held is not None and max(held.get_many(offs), default=-1) >= 0:
                 return None
-        if len(set(zip(keys, grp, strict=True))) != n:
-            return None  # one object named twice
+        k0, k1 = self.k0, self.k1
+        by_key = np.lexsort((g_a, k1, k0))  # one object named twice: row by row
+        sk0, sk1, sg = k0[by_key], k1[by_key], g_a[by_key]
+        if ((sk0[1:] == sk0[:-1]) & (sk1[1:] == sk1[:-1]) & (sg[1:] == sg[:-1])).any():
+            return None
         exb = self.exb
         old = exb >= 0
         if old.any() and (self.index.cx.blocks.cols["obj"][exb[old], g_a[old]] >= 0).any():
@@ -126,58 +134,86 @@ class AdoptRun:
         index, ns = self.index, self.ns
         bids = exb.copy()
         new = np.flatnonzero(~old)
-        if new.size:
-            nk_rows = new.tolist()
-            nkeys = [keys[k] for k in nk_rows]
-            npos = [pos[k] for k in nk_rows]
-            newpos = dict(zip(nkeys, npos, strict=True))  # (the last row of each key)
-            if len(set(zip(nkeys, npos, strict=True))) != len(newpos):
-                return None  # one block at two positions
-            # each new block's parent: in the index, or a new block, one position up
-            p_a = np.array(npos, dtype=np.int64)
-            got_pos = np.array([newpos.get(parents[k], -1) for k in nk_rows], dtype=np.int64)
-            ppos = np.array(self.ppos, dtype=np.int64)[new]
-            up = np.where(np.array(self.pex, dtype=np.int64)[new] >= 0, ppos, got_pos)
-            if ((p_a > 0) & (up + 1 != p_a)).any():
-                return None  # its parent comes later, or never
-            first = dict(zip(reversed(nkeys), reversed(nk_rows), strict=True))
-            order = sorted(first.values())
-            nk = [keys[k] for k in order]
-            k0, k1 = split_keys(nk)
-            pk0, pk1 = split_keys([parents[k] if pos[k] else _ROOT for k in order])
-            got = index.add_blocks(
-                ns, k0, k1, pk0, pk1, np.array([pos[k] for k in order], np.int32)
-            )
-            if (got < 0).any():
-                raise RuntimeError("adoption: a new block lost its parent")
-            made = dict(zip(nk, got.tolist(), strict=True))
-            bids[new] = [made[key] for key in nkeys]
+        if new.size and self._new_blocks(new, pos, bids) is None:
+            return None
         store = index.store
-        slot_a = np.array([store.slot_of(s) for s in srvs], dtype=np.int64)
+        if one:
+            slot_a: Any = store.slot_of(first)
+        else:
+            slots = {id(s): store.slot_of(s) for s in srvs}
+            slot_a = np.array([slots[id(s)] for s in srvs], dtype=np.int64)
         code = (g_a * 65536 + slot_a) * 2 + t_a
         uniq, inv = np.unique(code, return_inverse=True)
-        times_all = base + np.minimum(np.array(seq, dtype=np.float64), 1e9) * 1e-9
+        sq = np.where(seq < 0, 10**9, np.minimum(seq, 10**9)).astype(np.float64)
+        times_all = base + sq * 1e-9
+        at_all = cols.sum_at[a:b]
         oids = np.empty(n, dtype=np.int32)
         credit: dict[str, int] = {}
         for u, c in enumerate(uniq.tolist()):
             g, slot, t = c // 131072, (c // 2) % 65536, c % 2
             at_a = np.flatnonzero(inv == u)
-            at = at_a.tolist()
             srv = store.servers[slot]
             assert srv is not None
             width = nsums[g]
-            blob = np.frombuffer(b"".join([sums[k] for k in at]), dtype=np.uint8)
+            blob = cols.sums
+            if width:  # (each row's checksums: one strided gather)
+                win = np.lib.stride_tricks.as_strided(
+                    blob, shape=(max(blob.size - width + 1, 0), width), strides=(1, 1)
+                )
+                sums = win[at_all[at_a]]
+            else:
+                sums = np.zeros((at_a.size, 0), dtype=np.uint8)
             got = index.add_objects(
                 ns, bids[at_a], g, srv, o_a[at_a].astype(np.uint64), sizes[g],
-                blob.reshape(len(at), width), times_all[at_a], "", t, refresh=False,
+                sums, times_all[at_a], "", t, refresh=False,
             )  # fmt: skip
             oids[at_a] = got
-            credit[srv.server_id] = credit.get(srv.server_id, 0) + len(at)
+            credit[srv.server_id] = credit.get(srv.server_id, 0) + int(at_a.size)
             if not t and srv.reported is not None:
                 srv.reported.add_many(o_a[at_a].tolist(), got.tolist())
         index.settle(oids)  # one refresh of the eviction order for the whole run
         index.admit(ns, oids, ordered=False)
         return credit
+
+    def _new_blocks(self, new: npt.NDArray[np.intp], pos: Any, bids: Any) -> bool | None:
+        """Add the run's new blocks (rows ``new``: keys not in the index), each at
+        its first row, and put their ids in ``bids``; None (nothing added) when a
+        key comes at two positions, a parent is neither in the index nor a new
+        block one position up, or two new keys share their first half (a 2^-64
+        chance: the row-by-row path handles it)."""
+        k0, k1, pk0, pk1 = self.k0, self.k1, self.pk0, self.pk1
+        nk0, nk1, npos = k0[new], k1[new], pos[new]
+        order = np.lexsort((np.arange(new.size), nk1, nk0))  # by key, then row
+        sk0, sk1, sp = nk0[order], nk1[order], npos[order]
+        same = (sk0[1:] == sk0[:-1]) & (sk1[1:] == sk1[:-1])
+        if (same & (sp[1:] != sp[:-1])).any():
+            return None  # one block at two positions
+        head = np.concatenate([[True], ~same])  # each key's first row
+        uk0, uk1, upos = sk0[head], sk1[head], sp[head]
+        if (uk0[1:] == uk0[:-1]).any():
+            return None
+        # each new block's parent: in the index, or a new block, one position up
+        p0, p1 = pk0[new], pk1[new]
+        at = np.minimum(np.searchsorted(uk0, p0), uk0.size - 1)
+        found = (uk0[at] == p0) & (uk1[at] == p1)
+        got_pos = np.where(found, upos[at], -1)
+        pex, ppos = self.pex_a[new], self.ppos_a[new]
+        up = np.where(pex >= 0, ppos, got_pos)
+        if ((npos > 0) & (up + 1 != npos)).any():
+            return None  # its parent comes later, or never
+        rows = np.sort(new[order][head])  # first rows, in run order
+        rk0, rp0 = k0[rows], pos[rows]
+        root = rp0 == 0
+        got = self.index.add_blocks(
+            self.ns, rk0, k1[rows], np.where(root, 0, pk0[rows]), np.where(root, 0, pk1[rows]),
+            rp0.astype(np.int32),
+        )  # fmt: skip
+        if (got < 0).any():
+            raise RuntimeError("adoption: a new block lost its parent")
+        ids = np.empty(uk0.size, dtype=np.int32)
+        ids[np.searchsorted(uk0, rk0)] = got
+        bids[new] = ids[np.searchsorted(uk0, nk0)]
+        return True
 
     @property
     def objs(self) -> list[list[int]]:
@@ -193,6 +229,9 @@ class AdoptRun:
         """One row (its range checked): what became of it."""
         _, key, pkey, pos, g, tier, off, length, sums, seq, lb = row
         k = self.k
+        if not k:
+            self.ex, self.pex = self.exb.tolist(), self.pex_a.tolist()
+            self.ppos = self.ppos_a.tolist()
         self.k += 1
         ref = self.ex[k]
         if ref < 0:
