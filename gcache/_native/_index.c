@@ -29,6 +29,11 @@
  *   live_put_many(keys, vals, units, values) -> int
  *       put of each pair of two int64 arrays; the count added (a caller keeps
  *       the table under 3/4 full first).
+ *   live_get_many(keys, vals, units, out) -> int
+ *       get of each unit of an int64 array into the int64 `out` (-1: absent);
+ *       the count found.
+ *   key_find_cols(table, k0, k1, ns, q0, q1, nsid, out) -> None
+ *       key_find_list for keys given as two uint64 columns (a report chunk's).
  *   lease_rows(rows, tick, atime, <14 object and block columns>, slabs, heap0,
  *              size0, seq0, heap1, size1, seq1) -> (fields, seq0, seq1)
  *       a small lease (a list of at most 64 object rows) in one pass: each
@@ -487,6 +492,68 @@ done:
     return res;
 }
 
+static PyObject *py_live_get_many(PyObject *self, PyObject *args) {
+    PyObject *ko, *vo, *kso, *outo;
+    if (!PyArg_ParseTuple(args, "OOOO", &ko, &vo, &kso, &outo)) return NULL;
+    buf_t kb = {0}, vb = {0}, ksb = {0}, ob = {0};
+    PyObject *res = NULL;
+    if (get(ko, &kb, 4, 0, "keys") < 0 || get(vo, &vb, 4, 0, "vals") < 0 ||
+        get(kso, &ksb, 8, 0, "units") < 0 || get(outo, &ob, 8, 1, "out") < 0)
+        goto done;
+    Py_ssize_t n = N(kb, uint32_t), m = N(ksb, int64_t);
+    if (n == 0 || (n & (n - 1)) || N(vb, uint32_t) != n || N(ob, int64_t) != m) {
+        PyErr_SetString(PyExc_ValueError, "live map: keys and vals of one power-of-two size, "
+                                          "units and out of one length");
+        goto done;
+    }
+    const uint32_t *keys = kb.b.buf, *vals = vb.b.buf;
+    const int64_t *ks = ksb.b.buf;
+    int64_t *out = ob.b.buf;
+    long long found = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Py_ssize_t free_at, at = -1;
+        if (ks[i] >= 0 && ks[i] < (int64_t)LM_TOMB - 1)
+            at = lm_find(keys, n, (uint32_t)(ks[i] + 1), &free_at);
+        out[i] = at >= 0 ? (int64_t)vals[at] : -1;
+        found += at >= 0;
+    }
+    res = PyLong_FromLongLong(found);
+done:
+    put(&kb); put(&vb); put(&ksb); put(&ob);
+    return res;
+}
+
+static PyObject *py_key_find_cols(PyObject *self, PyObject *args) {
+    PyObject *to, *k0o, *k1o, *nso, *q0o, *q1o, *outo;
+    int nsid;
+    if (!PyArg_ParseTuple(args, "OOOOOOiO", &to, &k0o, &k1o, &nso, &q0o, &q1o, &nsid, &outo))
+        return NULL;
+    buf_t tb = {0}, k0b = {0}, k1b = {0}, nsb = {0}, q0b = {0}, q1b = {0}, ob = {0};
+    keymap_t m;
+    PyObject *res = NULL;
+    if (keymap_get(&m, &tb, &k0b, &k1b, &nsb, to, k0o, k1o, nso) < 0 ||
+        get(q0o, &q0b, 8, 0, "keys k0") < 0 || get(q1o, &q1b, 8, 0, "keys k1") < 0 ||
+        get(outo, &ob, 4, 1, "out") < 0)
+        goto done;
+    Py_ssize_t n = N(q0b, uint64_t);
+    if (N(q1b, uint64_t) != n || N(ob, int32_t) != n) {
+        PyErr_SetString(PyExc_ValueError, "k0, k1 and out of one length");
+        goto done;
+    }
+    const uint64_t *q0 = q0b.b.buf, *q1 = q1b.b.buf;
+    int32_t *out = ob.b.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t r = find1(&m, q0[i], q1[i], (uint16_t)nsid);
+        if (r == -3) { res = oob("table entry", r); goto done; }
+        out[i] = r;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    put(&tb); put(&k0b); put(&k1b); put(&nsb); put(&q0b); put(&q1b); put(&ob);
+    return res;
+}
+
 /* ---- small leases ------------------------------------------------------------------ */
 
 #define LEASE_MAX 64 /* rows per call (a small lease: the caller sends at most SMALL) */
@@ -703,6 +770,12 @@ static PyMethodDef methods[] = {
      "count added."},
     {"live_pop", py_live_pop, METH_VARARGS,
      "live_pop(keys, vals, k) -> int: remove k, answering its value, or -1."},
+    {"live_get_many", py_live_get_many, METH_VARARGS,
+     "live_get_many(keys, vals, units, out) -> int: each unit's value (-1: absent) into the "
+     "int64 out; the count found."},
+    {"key_find_cols", py_key_find_cols, METH_VARARGS,
+     "key_find_cols(table, k0, k1, ns, q0, q1, nsid, out) -> None: the block id of each key "
+     "given as two uint64 columns (-1: absent) into out."},
     {"lease_rows", py_lease_rows, METH_VARARGS,
      "lease_rows(rows, tick, atime, pins, block, tick_col, atime_col, hpos, hseq, tier, "
      "server, offset, length, group, sums_len, sums_slot, pos, slabs, heap0, size0, seq0, "

@@ -103,10 +103,12 @@ class AdoptRun:
             return None
         # DRAM ranges: in the segment, aligned, nobody else's (per server)
         first = srvs[0]
-        one = all(s is first for s in srvs)
-        sid = None if one else np.array([id(s) for s in srvs], dtype=np.int64)
+        ids = np.fromiter(map(id, srvs), np.int64, n)
+        one = bool((ids == ids[0]).all())
+        sid = None if one else ids
+        by_id = {id(first): first} if one else dict(zip(map(id, srvs), srvs, strict=True))
         dram = t_a == 0
-        for s in [first] if one else list({id(x): x for x in srvs}.values()):
+        for s in by_id.values():
             mine = dram if sid is None else dram & (sid == id(s))
             if not mine.any():
                 continue
@@ -116,11 +118,10 @@ class AdoptRun:
                 return None
             if np.unique(om).size != om.size:
                 return None
-            offs = om.tolist()
-            if s.parked and any(o in s.parked for o in offs):
+            if s.parked and any(o in s.parked for o in om.tolist()):
                 return None
             held = s.reported
-            if held is not None and max(held.get_many(offs), default=-1) >= 0:
+            if held is not None and held.any_of(om):
                 return None
         k0, k1 = self.k0, self.k1
         by_key = np.lexsort((g_a, k1, k0))  # one object named twice: row by row
@@ -140,8 +141,9 @@ class AdoptRun:
         if one:
             slot_a: Any = store.slot_of(first)
         else:
-            slots = {id(s): store.slot_of(s) for s in srvs}
-            slot_a = np.array([slots[id(s)] for s in srvs], dtype=np.int64)
+            uids, inv_s = np.unique(ids, return_inverse=True)
+            slots = [store.slot_of(by_id[u]) for u in uids.tolist()]
+            slot_a = np.array(slots, dtype=np.int64)[inv_s]
         code = (g_a * 65536 + slot_a) * 2 + t_a
         uniq, inv = np.unique(code, return_inverse=True)
         sq = np.where(seq < 0, 10**9, np.minimum(seq, 10**9)).astype(np.float64)

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from gcache.errors import CompactIndexError
 from gcache.meta.compact import DETACHED, CompactIndex
@@ -414,6 +415,10 @@ class Reported:
         """:meth:`get` of each (aligned offsets)."""
         shift = self.shift
         return self.map.get_many([o >> shift for o in offsets])
+
+    def any_of(self, offsets: npt.NDArray[np.int64]) -> bool:
+        """Whether an object is at any of ``offsets`` (aligned, as an array)."""
+        return self.map.any_of(offsets >> self.shift)
 
     def add(self, offset: int, oid: int) -> None:
         self.map.put(offset >> self.shift, oid)

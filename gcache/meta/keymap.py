@@ -52,7 +52,17 @@ class KeyMap:
         self.kernels = INDEX_KERNELS if native else None
 
     def find(self, ns: int, k0: U64, k1: U64) -> I32:
-        """Block ids of keys (-1: not indexed), one probe loop for all of them."""
+        """Block ids of keys (-1: not indexed), one probe loop for all of them (in C
+        when built)."""
+        if self.kernels is not None:
+            found = np.empty(len(k0), dtype=np.int32)
+            b = self.blocks.cols
+            self.kernels.key_find_cols(
+                self.table, b["k0"], b["k1"], b["ns"],
+                np.ascontiguousarray(k0, dtype=np.uint64),
+                np.ascontiguousarray(k1, dtype=np.uint64), ns, found,
+            )  # fmt: skip
+            return found
         out = np.full(len(k0), -1, dtype=np.int32)
         b = self.blocks.cols
         bk0, bk1, bns = b["k0"], b["k1"], b["ns"]

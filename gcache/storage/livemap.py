@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from gcache._native import INDEX_KERNELS
 
@@ -105,6 +106,16 @@ class LiveMap:
         assert self.k is not None
         get, keys, vals = self.k.live_get, self.keys, self.vals
         return [get(keys, vals, u) for u in units]
+
+    def any_of(self, units: npt.NDArray[np.int64]) -> bool:
+        """Whether any of ``units`` is in the map (one C call when built)."""
+        if self._dict is not None:
+            d = self._dict
+            return any(u in d for u in units.tolist())
+        assert self.k is not None
+        out = np.empty(units.size, dtype=np.int64)
+        units = np.ascontiguousarray(units, dtype=np.int64)
+        return bool(self.k.live_get_many(self.keys, self.vals, units, out))
 
     def _rehash(self, size: int) -> None:
         """Into a table of at least ``size`` slots (a power of two), without the
