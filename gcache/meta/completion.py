@@ -28,10 +28,7 @@ def reported_ranges(
     (offsets, lengths) checked at once, without a tuple per range."""
     reported = srv.reported
     assert reported is not None
-    pairs = list(reported.items())
-    n = len(pairs)
-    offs = np.fromiter((off for off, _ in pairs), np.int64, n)
-    oids = np.fromiter((oid for _, oid in pairs), np.int64, n)
+    offs, oids = reported.arrays()
     lens = index.cx.objects.cols["length"][oids].astype(np.int64)
     more = [(off, p.length) for off, p in srv.parked.items() if type(p) is Parked]
     for chunk in books.chunks_of(srv):

@@ -437,6 +437,11 @@ class Reported:
     def __len__(self) -> int:
         return len(self.map)
 
+    def arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(offsets, object rows) of every one, as arrays, in no order."""
+        units, oids = self.map.arrays()
+        return units << self.shift, oids
+
     def items(self) -> Iterator[tuple[int, int]]:
         """``(offset, object row)`` of each, in no order."""
         shift = self.shift

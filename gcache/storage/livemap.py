@@ -81,6 +81,17 @@ class LiveMap:
             (self.keys[used].astype(np.int64) - 1).tolist(), self.vals[used].tolist(), strict=True
         )
 
+    def arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Every (unit, value) as two arrays, in no order (no tuple per entry)."""
+        if self._dict is not None:
+            d = self._dict
+            return (
+                np.fromiter(d.keys(), np.int64, len(d)),
+                np.fromiter(d.values(), np.int64, len(d)),
+            )
+        used = (self.keys != _EMPTY) & (self.keys != _TOMB)
+        return self.keys[used].astype(np.int64) - 1, self.vals[used].astype(np.int64)
+
     def put_many(self, units: np.ndarray, sizes: np.ndarray) -> None:
         """:meth:`put` of many (a rebuilt allocator's ranges)."""
         if self._dict is not None:

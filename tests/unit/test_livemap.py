@@ -34,6 +34,8 @@ def test_live_map_acts_as_a_dict(native: bool, ops: list[tuple[str, int, int]]) 
             assert m.pop(k) == model.pop(k, -1)
         assert len(m) == len(model)
     assert dict(m.items()) == model
+    units, values = m.arrays()
+    assert dict(zip(units.tolist(), values.tolist(), strict=True)) == model
     probe = np.array([k for _, k, _ in ops[:20]] + [301, -5], dtype=np.int64)
     assert m.any_of(probe) == any(int(u) in model for u in probe)
     assert m.get_many(probe[:-1].tolist()) == [model.get(int(u), -1) for u in probe[:-1]]
