@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import functools
 import gc
 import json
@@ -83,6 +85,24 @@ def stored(obj: ObjectRecord, ns: NamespaceRecord) -> Any:
     return to_proto(rec)
 
 
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``);
+    False where there is none (another libc)."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM is False:
+        return False
+    _TRIM(0)
+    return True
+
+
+_TRIM: Any = None
+
+
 class GcPause:
     """The cyclic garbage collector paused while reports are adopted, and what they
     adopted frozen out of it afterwards.
@@ -98,7 +118,10 @@ class GcPause:
     what the rebuild left.
     Only after a real rebuild (at least ``FREEZE_MIN`` objects adopted during the
     pause): a frozen object that later becomes cyclic garbage (a closed
-    connection's) is never collected, so small pauses do not freeze."""
+    connection's) is never collected, so small pauses do not freeze. Then the C
+    heap's free pages go back to the system (``malloc_trim``: the decoded chunks
+    and their temporaries leave holes a restarted meta would otherwise keep in
+    its RSS)."""
 
     FREEZE_MIN = 1 << 16
 
@@ -128,6 +151,7 @@ class GcPause:
                 if self.adopted() - self._adopted_at >= self.FREEZE_MIN:
                     gc.freeze()
                     self.freezes += 1
+                    trim_heap()
                 if self.was_enabled:
                     gc.enable()
 
