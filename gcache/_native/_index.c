@@ -29,6 +29,9 @@
  *   live_put_many(keys, vals, units, values) -> int
  *       put of each pair of two int64 arrays; the count added (a caller keeps
  *       the table under 3/4 full first).
+ *   key_place(table, k0, ns, ids) -> int
+ *       put each block id of the int32 `ids` (its key not in the table) into its
+ *       first free slot; the tombstones so reused.
  *   live_get_many(keys, vals, units, out) -> int
  *       get of each unit of an int64 array into the int64 `out` (-1: absent);
  *       the count found.
@@ -554,6 +557,47 @@ done:
     return res;
 }
 
+static PyObject *py_key_place(PyObject *self, PyObject *args) {
+    PyObject *to, *k0o, *nso, *ido;
+    if (!PyArg_ParseTuple(args, "OOOO", &to, &k0o, &nso, &ido)) return NULL;
+    buf_t tb = {0}, k0b = {0}, nsb = {0}, ib = {0};
+    PyObject *res = NULL;
+    if (get(to, &tb, 4, 1, "table") < 0 || get(k0o, &k0b, 8, 0, "k0") < 0 ||
+        get(nso, &nsb, 2, 0, "ns") < 0 || get(ido, &ib, 4, 0, "ids") < 0)
+        goto done;
+    Py_ssize_t nslots = N(tb, int32_t), nb = N(k0b, uint64_t), m = N(ib, int32_t);
+    if (N(nsb, uint16_t) < nb) nb = N(nsb, uint16_t);
+    if (nslots == 0 || (nslots & (nslots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "table: size must be a power of two");
+        goto done;
+    }
+    int32_t *table = tb.b.buf;
+    const uint64_t *k0 = k0b.b.buf;
+    const uint16_t *ns = nsb.b.buf;
+    const int32_t *ids = ib.b.buf;
+    uint64_t mask = (uint64_t)nslots - 1;
+    long long reused = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int32_t id = ids[i];
+        if (id < 0 || id >= nb) { res = oob("block", id); goto done; }
+        uint64_t h = (k0[id] ^ ((uint64_t)ns[id] * MIX)) & mask;
+        Py_ssize_t probes = 0;
+        while (table[h] >= 0) {
+            if (++probes >= nslots) {
+                PyErr_SetString(PyExc_ValueError, "key map: no free slot");
+                goto done;
+            }
+            h = (h + 1) & mask;
+        }
+        reused += table[h] != EMPTY; /* a tombstone taken */
+        table[h] = id;
+    }
+    res = PyLong_FromLongLong(reused);
+done:
+    put(&tb); put(&k0b); put(&nsb); put(&ib);
+    return res;
+}
+
 /* ---- small leases ------------------------------------------------------------------ */
 
 #define LEASE_MAX 64 /* rows per call (a small lease: the caller sends at most SMALL) */
@@ -770,6 +814,9 @@ static PyMethodDef methods[] = {
      "count added."},
     {"live_pop", py_live_pop, METH_VARARGS,
      "live_pop(keys, vals, k) -> int: remove k, answering its value, or -1."},
+    {"key_place", py_key_place, METH_VARARGS,
+     "key_place(table, k0, ns, ids) -> int: put each block id into the table (its key not "
+     "there); the tombstones taken."},
     {"live_get_many", py_live_get_many, METH_VARARGS,
      "live_get_many(keys, vals, units, out) -> int: each unit's value (-1: absent) into the "
      "int64 out; the count found."},

@@ -116,7 +116,8 @@ class AdoptRun:
             om = o_a[mine]
             if (om & (al.align - 1)).any() or (om + l_a[mine] > al.capacity).any():
                 return None
-            if np.unique(om).size != om.size:
+            so = np.sort(om)
+            if (so[1:] == so[:-1]).any():
                 return None
             if s.parked and any(o in s.parked for o in om.tolist()):
                 return None
@@ -145,13 +146,17 @@ class AdoptRun:
             slots = [store.slot_of(by_id[u]) for u in uids.tolist()]
             slot_a = np.array(slots, dtype=np.int64)[inv_s]
         code = (g_a * 65536 + slot_a) * 2 + t_a
-        uniq, inv = np.unique(code, return_inverse=True)
+        if one and not t_a.any() and not g_a.any():  # (one batch)
+            uniq, inv = [int(code[0])], np.zeros(n, dtype=np.int64)
+        else:
+            uniq_a, inv = np.unique(code, return_inverse=True)
+            uniq = uniq_a.tolist()
         sq = np.where(seq < 0, 10**9, np.minimum(seq, 10**9)).astype(np.float64)
         times_all = base + sq * 1e-9
         at_all = cols.sum_at[a:b]
         oids = np.empty(n, dtype=np.int32)
         credit: dict[str, int] = {}
-        for u, c in enumerate(uniq.tolist()):
+        for u, c in enumerate(uniq):
             g, slot, t = c // 131072, (c // 2) % 65536, c % 2
             at_a = np.flatnonzero(inv == u)
             srv = store.servers[slot]

@@ -411,11 +411,6 @@ class Reported:
             return -1
         return self.map.get(offset >> self.shift)
 
-    def get_many(self, offsets: list[int]) -> list[int]:
-        """:meth:`get` of each (aligned offsets)."""
-        shift = self.shift
-        return self.map.get_many([o >> shift for o in offsets])
-
     def any_of(self, offsets: npt.NDArray[np.int64]) -> bool:
         """Whether an object is at any of ``offsets`` (aligned, as an array)."""
         return self.map.any_of(offsets >> self.shift)

@@ -157,8 +157,13 @@ class KeyMap:
         return int(gaps[0]) if gaps.size else len(keys)
 
     def place(self, ids: I32) -> None:
-        """Put block ``ids`` (their keys not in the table) into the table."""
+        """Put block ``ids`` (their keys not in the table) into the table (in C
+        when built)."""
         b = self.blocks.cols
+        if self.kernels is not None:
+            ids = np.ascontiguousarray(ids, dtype=np.int32)
+            self.tombs -= self.kernels.key_place(self.table, b["k0"], b["ns"], ids)
+            return
         mask = np.uint64(self.table.size - 1)
         ids = ids.copy()
         h = (b["k0"][ids] ^ (b["ns"][ids].astype(np.uint64) * np.uint64(_MIX))) & mask
