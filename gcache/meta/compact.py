@@ -54,6 +54,7 @@ from gcache.meta.rowtable import RowTable, Slabs, unique_ids
 I32 = npt.NDArray[np.int32]
 U64 = npt.NDArray[np.uint64]
 
+RESERVE_MAX: Final = 1 << 27  # objects a reserve makes room for, at most
 DETACHED: Final = -2  # an object's block once evicted while pinned (-1: a free row)
 
 LEAVING_DRAM: Final = -2  # ``hits`` of a full DRAM object being demoted
@@ -144,6 +145,18 @@ class CompactIndex:
         return self.leaves.bulk
 
     # -- blocks --------------------------------------------------------------------
+
+    def reserve(self, objects: int) -> None:
+        """Room for ``objects`` more objects (and as many blocks) in one growth of
+        each table: a rebuild told how many objects its servers will report. At
+        most ``RESERVE_MAX``; address space only (the key map, whose slots are
+        all written, still grows with the keys)."""
+        n = min(max(objects, 0), RESERVE_MAX)
+        if not n:
+            return
+        self.objects.reserve(self.objects.rows + n)
+        self.blocks.reserve(self.blocks.rows + n)
+        self.sums_slabs.reserve(n)
 
     def begin_bulk(self) -> None:
         """Bulk loading (a rebuild from the servers' reports): the eviction heap is

@@ -290,6 +290,7 @@ class ControlService(pb_grpc.ControlServicer):  # type: ignore[misc]
             nvme_read_gbps=request.nvme_read_gbps,
             nvme_write_gbps=request.nvme_write_gbps,
             report=request.objects > 0,
+            report_objects=request.objects,
         )
         log.info(
             "server %s registered at %s:%d (%d bytes DRAM, %d bytes NVMe%s)",

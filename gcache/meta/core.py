@@ -326,9 +326,11 @@ class MetaCore:
         nvme_read_gbps: float = 0.0,
         nvme_write_gbps: float = 0.0,
         report: bool = False,
+        report_objects: int = 0,
     ) -> ServerRecord:
         """Add (or refresh) a server. ``report``: it holds objects it will report
-        (``report_objects``); nothing is placed on it until the report is complete."""
+        (``report_objects``, this many as it says); nothing is placed on it until
+        the report is complete."""
         rec, new = self.membership.register_server(
             addr, secret, incarnation, capacity, now,
             nvme_capacity, nvme_read_gbps, nvme_write_gbps,
@@ -336,7 +338,7 @@ class MetaCore:
         if not new:
             return rec
         if report:
-            self.rebuild.begin_report(rec)
+            self.rebuild.begin_report(rec, report_objects)
         self.membership.invalidate()
         self.counters["servers_registered"] += 1
         return rec

@@ -114,8 +114,9 @@ class Rebuild:
         # the report streams merged by block position (rows held in columns)
         self.streams = StreamMerge()
 
-    def begin_report(self, srv: ServerRecord) -> None:
-        """``srv`` will report what it holds: no placement on it until it is done."""
+    def begin_report(self, srv: ServerRecord, objects: int = 0) -> None:
+        """``srv`` will report what it holds (``objects``, as it said: room is
+        made for them at once): no placement on it until it is done."""
         if srv.reported is None and not srv.objects:
             srv.reported = Reported(srv.allocator.align)
             self.members.invalidate()
@@ -123,6 +124,7 @@ class Rebuild:
             if not cx.bulk and self.index.live_objects <= BULK_BELOW:
                 cx.begin_bulk()
                 self.counters["rebuild_bulk_loads"] += 1
+            cx.reserve(objects)
         if self._credit:
             self._credit.pop(srv.server_id, None)
         # A server that registers again reports everything again: forget what was

@@ -82,6 +82,17 @@ class RowTable:
             self.cols[name] = new
         self.cap = cap
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows now, in one growth (a rebuild that knows how many
+        objects are coming): the pages past the rows in use stay untouched, so
+        this costs address space, not memory. Best effort: where the system
+        refuses the address space, the table grows as it fills."""
+        if rows > self.cap:
+            try:
+                self._grow(rows)
+            except MemoryError:
+                pass
+
     def take(self, n: int) -> I32:
         """``n`` row ids: freed ones first, then new rows. A column array may be
         replaced (grown): read ``cols`` again after a take."""
@@ -121,8 +132,9 @@ class RowTable:
         dtype, old = self.spec[name]
         if width <= old:
             return
-        new = np.full((self.cap, width), value, dtype=dtype)
+        new = np.empty((self.cap, width), dtype=dtype)  # (rows past ``rows``: untouched)
         new[: self.rows, :old] = self.cols[name][: self.rows]
+        new[: self.rows, old:] = value
         self._mv.clear()
         self._views.clear()
         self.cols[name] = new
@@ -158,6 +170,20 @@ class Slabs:
 
     def __init__(self) -> None:
         self.slabs: dict[int, RowTable] = {}
+        self.hint = 0  # rows a slab is made with room for (RowTable.reserve)
+
+    def _slab(self, width: int) -> RowTable:
+        slab = self.slabs.get(width)
+        if slab is None:
+            slab = self.slabs[width] = RowTable({"s": ("u1", width)}, {})
+            slab.reserve(self.hint)
+        return slab
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more rows in every slab, made or to be made."""
+        self.hint = rows
+        for slab in self.slabs.values():
+            slab.reserve(slab.rows + rows)
 
     def put(self, rows: npt.NDArray[np.uint8]) -> I32:
         """Store each row of ``rows`` (n x width bytes); returns their slots (-1
@@ -165,9 +191,7 @@ class Slabs:
         n, width = rows.shape if rows.ndim == 2 else (len(rows), 0)
         if not width:
             return np.full(n, -1, dtype=np.int32)
-        slab = self.slabs.get(width)
-        if slab is None:
-            slab = self.slabs[width] = RowTable({"s": ("u1", width)}, {})
+        slab = self._slab(width)
         slots = slab.take(n)
         slab.cols["s"][slots] = rows
         return slots
@@ -177,9 +201,7 @@ class Slabs:
         width = len(data)
         if not width:
             return -1
-        slab = self.slabs.get(width)
-        if slab is None:
-            slab = self.slabs[width] = RowTable({"s": ("u1", width)}, {})
+        slab = self._slab(width)
         slot = slab.take1()
         slab.mv("s")[slot * width : (slot + 1) * width] = data
         return slot

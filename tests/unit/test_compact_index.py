@@ -651,3 +651,31 @@ def test_pins_are_lazy_a_pinned_top_is_skipped_and_returns_at_its_last_unpin() -
     with pytest.raises(CompactIndexError):
         ix.few.unpin([first])  # no lease holds it now: refused, nothing changed
     assert ix.objects.cols["pins"][first] == 0
+
+
+def test_reserve_grows_each_table_once_and_is_bounded() -> None:
+    """A rebuild told how many objects are coming makes room once (no copy per
+    doubling); a claim past RESERVE_MAX is cut to it; rows past those in use are
+    never written (RSS follows the rows)."""
+    from gcache.meta.compact import RESERVE_MAX
+
+    ix = CompactIndex(groups=1)
+    ix.namespace(0, None)
+    ix.reserve(5000)
+    caps = ix.objects.cap, ix.blocks.cap
+    assert caps[0] >= 5000 and caps[1] >= 5000
+    bids = np.concatenate([ix.add_chain(0, [key(0, (i,))]) for i in range(4000)])
+    n = bids.size
+    ix.add_objects(bids, 0, 0, np.arange(n, dtype=np.uint64), np.full(n, 64, np.uint32),
+                   np.zeros((n, 8), np.uint8), np.arange(n, dtype=np.uint64))  # fmt: skip
+    assert (ix.objects.cap, ix.blocks.cap) == caps, "no growth within the reservation"
+    assert ix.sums_slabs.slabs[8].cap >= 5000, "a slab made after the reserve has room too"
+    ix.reserve(1 << 62)  # a server's absurd claim: cut to RESERVE_MAX (address space only)
+    assert ix.objects.cap <= ix.objects.rows + RESERVE_MAX
+    ix.widen(3)  # a wider namespace later: existing rows keep their objects, new are -1
+    assert ix.blocks.cols["obj"].shape[1] == 3
+    assert (ix.blocks.cols["obj"][bids, 0] >= 0).all() and (
+        ix.blocks.cols["obj"][bids, 1:] == -1
+    ).all()
+    (more,) = ix.add_chain(0, [key(0, (99_999,))])
+    assert (ix.blocks.cols["obj"][more] == -1).all()
