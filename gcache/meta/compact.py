@@ -147,15 +147,15 @@ class CompactIndex:
     # -- blocks --------------------------------------------------------------------
 
     def reserve(self, objects: int) -> None:
-        """Room for ``objects`` more objects (and as many blocks) in one growth of
-        each table: a rebuild told how many objects its servers will report. At
-        most ``RESERVE_MAX``; address space only (the key map, whose slots are
+        """Room for ``objects`` objects in all (and as many blocks) in one growth
+        of each table: a rebuild told how many objects its servers will report.
+        At most ``RESERVE_MAX``; address space only (the key map, whose slots are
         all written, still grows with the keys)."""
         n = min(max(objects, 0), RESERVE_MAX)
         if not n:
             return
-        self.objects.reserve(self.objects.rows + n)
-        self.blocks.reserve(self.blocks.rows + n)
+        self.objects.reserve(n)
+        self.blocks.reserve(n)
         self.sums_slabs.reserve(n)
 
     def begin_bulk(self) -> None:

@@ -113,6 +113,9 @@ class Rebuild:
         self._deferred: dict[str, list[Parked]] | None = None
         # the report streams merged by block position (rows held in columns)
         self.streams = StreamMerge()
+        # objects the index will hold once the reports in progress are adopted (as
+        # the servers said): the tables' room, made at once
+        self._expect = 0
 
     def begin_report(self, srv: ServerRecord, objects: int = 0) -> None:
         """``srv`` will report what it holds (``objects``, as it said: room is
@@ -124,7 +127,12 @@ class Rebuild:
             if not cx.bulk and self.index.live_objects <= BULK_BELOW:
                 cx.begin_bulk()
                 self.counters["rebuild_bulk_loads"] += 1
-            cx.reserve(objects)
+            if not any(
+                s.reported is not None for s in self.members.servers.values() if s is not srv
+            ):
+                self._expect = self.index.live_objects  # (the first report of a wave)
+            self._expect += max(objects, 0)
+            cx.reserve(self._expect)
         if self._credit:
             self._credit.pop(srv.server_id, None)
         # A server that registers again reports everything again: forget what was

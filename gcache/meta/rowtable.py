@@ -180,10 +180,10 @@ class Slabs:
         return slab
 
     def reserve(self, rows: int) -> None:
-        """Room for ``rows`` more rows in every slab, made or to be made."""
+        """Room for ``rows`` rows in every slab, made or to be made."""
         self.hint = rows
         for slab in self.slabs.values():
-            slab.reserve(slab.rows + rows)
+            slab.reserve(rows)
 
     def put(self, rows: npt.NDArray[np.uint8]) -> I32:
         """Store each row of ``rows`` (n x width bytes); returns their slots (-1
