@@ -166,6 +166,15 @@ def manifests(
     return out, caps, total
 
 
+def records_in(parts: list[bytes]) -> int:
+    """The records of a server's report chunks (each full but the last)."""
+    if not parts:
+        return 0
+    last = pb.ReportObjectsRequest.FromString(parts[-1])
+    tail = len(last.columns.keys) // 16 if last.HasField("columns") else len(last.objects)
+    return (len(parts) - 1) * CHUNK + tail
+
+
 def chunk_body(recs: list[StoredRecord], fmt: str) -> Any:
     """A ``ReportObjectsRequest`` carrying ``recs``: in columns (``StoredColumns``,
     what ``gcache-server`` sends a meta that takes them) or as ``StoredObject``
@@ -220,7 +229,7 @@ async def play(
             server_id=sid, host="127.0.0.1", port=40000 + i, hostname="bench",
             shm_path="", capacity=caps[i], secret=bytes(range(16)), incarnation=7,
             nvme_capacity=1 << 44, nvme_read_gbps=2.0, nvme_write_gbps=1.0,
-            objects=1,  # any count > 0: it will report
+            objects=records_in(chunks[i]),  # as a server says: what it will report
         )  # fmt: skip
         reply = await stubs[i].RegisterServer(reg, timeout=60)
         epoch = epochs[i] = reply.epoch
