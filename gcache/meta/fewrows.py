@@ -17,6 +17,9 @@ from gcache.meta.rowtable import RowTable, Slabs
 SMALL: Final = 16  # batches up to this size go through scalar loops (no array calls)
 
 Fields = tuple[int, int, int, int, int, int, bytes]
+# the object columns lease_rows reads and writes, in its argument order
+_LEASE_COLS = ("pins", "block", "tick", "atime", "hpos", "hseq", "tier", "server", "offset",
+               "length", "group", "sums_len", "sums_slot")  # fmt: skip
 Freed = tuple[int, int, int, int]  # (server, tier, offset, length) of an object gone
 
 
@@ -55,13 +58,11 @@ class FewRows:
         call with the native kernels."""
         k = self.cx.kernels
         if k is not None and len(ids) <= SMALL:
-            o, h0, h1 = self.cx.objects.cols, *self.cx.leaves.heaps
-            arrays = {w: t.cols["s"] for w, t in self.cx.sums_slabs.slabs.items()}
+            h0, h1 = self.cx.leaves.heaps
             try:
                 fields, h0.seq, h1.seq = k.lease_rows(
-                    ids, tick, atime, o["pins"], o["block"], o["tick"], o["atime"], o["hpos"],
-                    o["hseq"], o["tier"], o["server"], o["offset"], o["length"], o["group"],
-                    o["sums_len"], o["sums_slot"], self.cx.blocks.cols["pos"], arrays,
+                    ids, tick, atime, *self.cx.objects.arrays(*_LEASE_COLS),
+                    self.cx.blocks.cols["pos"], self.cx.sums_slabs.arrays(),
                     h0.heap, h0.size, h0.seq, h1.heap, h1.size, h1.seq,
                 )  # fmt: skip
             except ValueError as exc:
@@ -99,14 +100,12 @@ class FewRows:
     def unpin(self, ids: list[int]) -> list[tuple[int, Freed]]:
         """:meth:`CompactIndex.unpin_rows` of a few rows given as a list (no array calls; one
         C call with the native kernels)."""
-        o = self.cx.objects.cols
         k = self.cx.kernels
         if k is not None and len(ids) <= SMALL:
-            b = self.cx.blocks.cols
             try:
                 left = k.unpin_rows(
-                    ids, o["pins"], o["block"], o["hpos"], o["group"], o["tier"],
-                    b["ns"], b["hot"], b["children"], self.cx.leaves.full,
+                    ids, *self.cx.objects.arrays("pins", "block", "hpos", "group", "tier"),
+                    *self.cx.blocks.arrays("ns", "hot", "children"), self.cx.leaves.full,
                 )  # fmt: skip
             except ValueError as exc:
                 raise CompactIndexError(str(exc)) from exc

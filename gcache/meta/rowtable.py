@@ -49,7 +49,17 @@ class RowTable:
         self.cols: dict[str, np.ndarray] = {}
         self._mv: dict[str, Any] = {}  # flat memoryviews of the columns
         self._views: dict[tuple[str, ...], tuple[Any, ...]] = {}
+        self._arrs: dict[tuple[str, ...], tuple[np.ndarray, ...]] = {}
+        self.grown = 0  # growths so far (what a caller's cache of the arrays checks)
         self._grow(MIN_ROWS)
+
+    def arrays(self, *names: str) -> tuple[np.ndarray, ...]:
+        """The columns ``names`` (one call for a kernel's arguments; valid until the
+        table grows, as :meth:`mv`)."""
+        v = self._arrs.get(names)
+        if v is None:
+            v = self._arrs[names] = tuple(self.cols[n] for n in names)
+        return v
 
     def views(self, *names: str) -> tuple[Any, ...]:
         """:meth:`mv` of several columns at once (one call for a scalar path)."""
@@ -73,6 +83,8 @@ class RowTable:
     def _grow(self, cap: int) -> None:
         self._mv.clear()
         self._views.clear()
+        self._arrs.clear()
+        self.grown += 1
         for name, (dtype, width) in self.spec.items():
             shape = (cap, width) if width else (cap,)
             new = np.empty(shape, dtype=dtype)
@@ -137,6 +149,8 @@ class RowTable:
         new[: self.rows, old:] = value
         self._mv.clear()
         self._views.clear()
+        self._arrs.clear()
+        self.grown += 1
         self.cols[name] = new
         self.spec[name] = (dtype, width)
 
@@ -171,6 +185,14 @@ class Slabs:
     def __init__(self) -> None:
         self.slabs: dict[int, RowTable] = {}
         self.hint = 0  # rows a slab is made with room for (RowTable.reserve)
+        self._arrays: tuple[int, dict[int, np.ndarray]] = (-1, {})
+
+    def arrays(self) -> dict[int, np.ndarray]:
+        """Each slab's bytes column by width (cached until a slab is made or grows)."""
+        key = len(self.slabs) + sum(t.grown for t in self.slabs.values()) * 65536
+        if self._arrays[0] != key:
+            self._arrays = (key, {w: t.cols["s"] for w, t in self.slabs.items()})
+        return self._arrays[1]
 
     def _slab(self, width: int) -> RowTable:
         slab = self.slabs.get(width)
