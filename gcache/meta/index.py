@@ -404,7 +404,8 @@ class Index:
             return
         pol0, pol1 = self._policies
         if oids.size <= SMALL and not (pol0.events or pol1.events):
-            if ordered:  # (a few, LRU: ties of the key rank in the order given)
+            if ordered and oids.size > 1:  # (a few, LRU: ties rank in the order given;
+                # one object was pushed last already)
                 tier = self.cx.objects.mv("tier")
                 heaps = self.cx.leaves.heaps
                 for oid in oids.tolist():

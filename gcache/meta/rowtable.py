@@ -42,6 +42,13 @@ class RowTable:
         self.spec = spec
         self.fill = fill
         self.init = init or {}
+        # fill as Python numbers of each column's kind (memoryview stores want them)
+        self._fill1: list[tuple[str, float | int]] = [
+            (name, float(v) if np.dtype(spec[name][0]).kind == "f" else int(v))
+            for name, v in fill.items()
+            if not spec[name][1]
+        ]
+        self._fill2 = [name for name in fill if spec[name][1]]  # (2-D: a whole row)
         self.cap = 0
         self.rows = 0  # high-water mark of row ids handed out
         self.free = np.empty(0, dtype=np.int32)
@@ -135,8 +142,10 @@ class RowTable:
             self.rows += 1
             for name, value in self.init.items():
                 self.mv(name)[row] = value
-        for name, value in self.fill.items():
-            self.cols[name][row] = value
+        for name, v in self._fill1:
+            self.mv(name)[row] = v
+        for name in self._fill2:
+            self.cols[name][row] = self.fill[name]
         return row
 
     def widen(self, name: str, width: int, value: int) -> None:
