@@ -28,8 +28,8 @@ $(ETCDCTL_BIN):
 	$(SUDO) apt-get install -y -q etcd-client || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-client; }
 
 # Editable install with the test extras (torch CPU wheel, pytest, hypothesis, ruff, mypy);
-# compiles gcache/_native/_dataplane.c and _index.c with the system C compiler (setup.py).
-$(STAMP): pyproject.toml setup.py gcache/_native/_dataplane.c gcache/_native/_index.c | $(VENV)/bin/python $(XXHASH_H)
+# compiles gcache/_native/_dataplane.c and _index.c (+ _lease.c) with the system C compiler (setup.py).
+$(STAMP): pyproject.toml setup.py gcache/_native/_dataplane.c gcache/_native/_index.c gcache/_native/_lease.c gcache/_native/_index.h | $(VENV)/bin/python $(XXHASH_H)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 

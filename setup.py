@@ -40,7 +40,8 @@ setup(
         ),
         Extension(
             "gcache._native._index",
-            sources=["gcache/_native/_index.c"],
+            sources=["gcache/_native/_index.c", "gcache/_native/_lease.c"],
+            depends=["gcache/_native/_index.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),
     ],
