@@ -546,18 +546,26 @@ class Index:
         """A small lease's rows pinned, touched and read in one pass
         (``FewRows.lease``) where the policies need nothing but the
         access (LRU); None: not done, the caller takes the general path."""
-        p0, p1 = self._policies
-        if not (p0.by_access and p1.by_access) or p0.events or p1.events:
+        if not self._access_only():
             return None
         return self.cx.few.lease(ids, float_tick(now), now)
 
+    def pin_few(self, ids: list[int]) -> None:
+        """:meth:`pin` of a few rows given as a list."""
+        self.cx.few.pin(ids)
+
     def touch_few(self, ids: list[int], ns: NamespaceRecord, now: float) -> None:
         """:meth:`touch` of a few rows given as a list (a small lookup's)."""
-        p0, p1 = self._policies
-        if p0.by_access and p1.by_access and not (p0.events or p1.events):
+        if self._access_only():
             self.cx.few.touch(ids, float_tick(now), now)
         elif ids:
             self.touch(np.array(ids, dtype=np.int32), ns, now)
+
+    def _access_only(self) -> bool:
+        """Both tiers' policies rank by the last access alone and want no events
+        (LRU): a touch is a new tick and nothing else."""
+        p0, p1 = self._policies
+        return p0.by_access and p1.by_access and not (p0.events or p1.events)
 
     def mark_leaving(self, obj: ObjectRecord, ns: NamespaceRecord) -> None:
         """A full DRAM object is being demoted: its parent stops counting it as a DRAM

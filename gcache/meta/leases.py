@@ -67,7 +67,7 @@ class Leases:
             fields = got
         else:  # (pinned first: nothing the promotion hook does may evict them)
             if isinstance(picked, list):
-                self.index.cx.few.pin(picked)
+                self.index.pin_few(picked)
             else:
                 self.index.pin(picked)
             self._touched(ns, picked, now)

@@ -57,7 +57,6 @@ class RowTable:
         self._mv: dict[str, Any] = {}  # flat memoryviews of the columns
         self._views: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self._arrs: dict[tuple[str, ...], tuple[np.ndarray, ...]] = {}
-        self.grown = 0  # growths so far (what a caller's cache of the arrays checks)
         self._grow(MIN_ROWS)
 
     def arrays(self, *names: str) -> tuple[np.ndarray, ...]:
@@ -91,7 +90,6 @@ class RowTable:
         self._mv.clear()
         self._views.clear()
         self._arrs.clear()
-        self.grown += 1
         for name, (dtype, width) in self.spec.items():
             shape = (cap, width) if width else (cap,)
             new = np.empty(shape, dtype=dtype)
@@ -159,7 +157,6 @@ class RowTable:
         self._mv.clear()
         self._views.clear()
         self._arrs.clear()
-        self.grown += 1
         self.cols[name] = new
         self.spec[name] = (dtype, width)
 
@@ -194,14 +191,10 @@ class Slabs:
     def __init__(self) -> None:
         self.slabs: dict[int, RowTable] = {}
         self.hint = 0  # rows a slab is made with room for (RowTable.reserve)
-        self._arrays: tuple[int, dict[int, np.ndarray]] = (-1, {})
 
     def arrays(self) -> dict[int, np.ndarray]:
-        """Each slab's bytes column by width (cached until a slab is made or grows)."""
-        key = len(self.slabs) + sum(t.grown for t in self.slabs.values()) * 65536
-        if self._arrays[0] != key:
-            self._arrays = (key, {w: t.cols["s"] for w, t in self.slabs.items()})
-        return self._arrays[1]
+        """Each slab's bytes column by width."""
+        return {w: t.cols["s"] for w, t in self.slabs.items()}
 
     def _slab(self, width: int) -> RowTable:
         slab = self.slabs.get(width)

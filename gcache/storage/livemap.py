@@ -109,24 +109,20 @@ class LiveMap:
             np.ascontiguousarray(sizes, dtype=np.int64),
         )
 
-    def get_many(self, units: list[int]) -> list[int]:
-        """:meth:`get` of each (-1: not there)."""
+    def get_many(self, units: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        """:meth:`get` of each (-1: not there), one C call when built."""
+        u = np.ascontiguousarray(units, dtype=np.int64)
         if self._dict is not None:
             d = self._dict
-            return [d.get(u, -1) for u in units]
+            return np.fromiter((d.get(x, -1) for x in u.tolist()), np.int64, u.size)
         assert self.k is not None
-        get, keys, vals = self.k.live_get, self.keys, self.vals
-        return [get(keys, vals, u) for u in units]
+        out = np.empty(u.size, dtype=np.int64)
+        self.k.live_get_many(self.keys, self.vals, u, out)
+        return out
 
-    def any_of(self, units: npt.NDArray[np.int64]) -> bool:
-        """Whether any of ``units`` is in the map (one C call when built)."""
-        if self._dict is not None:
-            d = self._dict
-            return any(u in d for u in units.tolist())
-        assert self.k is not None
-        out = np.empty(units.size, dtype=np.int64)
-        units = np.ascontiguousarray(units, dtype=np.int64)
-        return bool(self.k.live_get_many(self.keys, self.vals, units, out))
+    def any_of(self, units: npt.ArrayLike) -> bool:
+        """Whether any of ``units`` is in the map."""
+        return bool((self.get_many(units) >= 0).any())
 
     def _rehash(self, size: int) -> None:
         """Into a table of at least ``size`` slots (a power of two), without the
