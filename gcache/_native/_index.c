@@ -13,6 +13,9 @@
  *   key_find_list(table, k0, k1, ns, keys, nsid, out) -> None
  *       the block id of each 16-byte key of the list `keys` into the int32 `out`
  *       (-1: absent): a prompt's probes without joining or splitting its keys.
+ *   key_prefix(table, k0, k1, ns, obj, groups, nsid, keys, full) -> list
+ *       the block ids of the leading keys of the list `keys` that are indexed
+ *       and (full >= 0) hold an object of group `full`: a small lookup's match.
  *   key_slot(table, k0, ns, bid) -> int
  *       the table slot that holds block `bid` (-1: not there).
  *   match(table, k0, k1, ns, obj, groups, nsid, keys, group) -> int
@@ -183,6 +186,57 @@ static PyObject *py_key_find_list(PyObject *self, PyObject *args) {
     }
     res = Py_NewRef(Py_None);
 done:
+    put(&tb); put(&k0b); put(&k1b); put(&nsb); put(&ob);
+    return res;
+}
+
+/* The leading keys that are indexed (and, full >= 0, hold an object of group
+ * `full`), as a list of their block ids: a small lookup's probes, with no array
+ * made for them. */
+static PyObject *py_key_prefix(PyObject *self, PyObject *args) {
+    PyObject *to, *k0o, *k1o, *nso, *objo, *keylist;
+    Py_ssize_t groups;
+    int nsid, full;
+    if (!PyArg_ParseTuple(args, "OOOOOniO!i", &to, &k0o, &k1o, &nso, &objo, &groups, &nsid,
+                          &PyList_Type, &keylist, &full))
+        return NULL;
+    buf_t tb = {0}, k0b = {0}, k1b = {0}, nsb = {0}, ob = {0};
+    keymap_t m;
+    PyObject *res = NULL, *out = NULL;
+    if (keymap_get(&m, &tb, &k0b, &k1b, &nsb, to, k0o, k1o, nso) < 0 ||
+        get(objo, &ob, 4, 0, "obj") < 0)
+        goto done;
+    if (groups < 1 || full >= groups) {
+        PyErr_Format(PyExc_ValueError, "group %d of %zd groups", full, groups);
+        goto done;
+    }
+    const int32_t *obj = ob.b.buf;
+    Py_ssize_t cells = N(ob, int32_t);
+    Py_ssize_t n = PyList_GET_SIZE(keylist);
+    if (!(out = PyList_New(0))) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keylist, i);
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != 16) {
+            PyErr_SetString(PyExc_ValueError, "block keys are 16 bytes each");
+            goto done;
+        }
+        const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(k);
+        int32_t b = find1(&m, le64(p), le64(p + 8), (uint16_t)nsid);
+        if (b == -3) { oob("table entry", b); goto done; }
+        if (b < 0) break;
+        if (full >= 0) {
+            Py_ssize_t at = (Py_ssize_t)b * groups + full;
+            if (at >= cells) { oob("block", b); goto done; }
+            if (obj[at] < 0) break;
+        }
+        PyObject *v = PyLong_FromLong(b);
+        if (!v || PyList_Append(out, v) < 0) { Py_XDECREF(v); goto done; }
+        Py_DECREF(v);
+    }
+    res = out;
+    out = NULL;
+done:
+    Py_XDECREF(out);
     put(&tb); put(&k0b); put(&k1b); put(&nsb); put(&ob);
     return res;
 }
@@ -533,6 +587,9 @@ static PyMethodDef methods[] = {
     {"key_find_list", py_key_find_list, METH_VARARGS,
      "key_find_list(table, k0, k1, ns, keys, nsid, out) -> None: each key's block id (-1: "
      "absent) into out."},
+    {"key_prefix", py_key_prefix, METH_VARARGS,
+     "key_prefix(table, k0, k1, ns, obj, groups, nsid, keys, full) -> list: the block ids "
+     "of the leading keys indexed (and holding an object of group full, if full >= 0)."},
     {"key_slot", py_key_slot, METH_VARARGS,
      "key_slot(table, k0, ns, bid) -> int: the table slot holding block bid, or -1."},
     {"match", py_match, METH_VARARGS,

@@ -9,6 +9,18 @@ def key_find1(table: Col, k0: Col, k1: Col, ns: Col, key: bytes, nsid: int, /) -
 def key_find_list(
     table: Col, k0: Col, k1: Col, ns: Col, keys: list[bytes], nsid: int, out: Col, /
 ) -> None: ...
+def key_prefix(
+    table: Col,
+    k0: Col,
+    k1: Col,
+    ns: Col,
+    obj: Col,
+    groups: int,
+    nsid: int,
+    keys: list[bytes],
+    full: int,
+    /,
+) -> list[int]: ...
 def key_slot(table: Col, k0: Col, ns: Col, bid: int, /) -> int: ...
 def match(
     table: Col,

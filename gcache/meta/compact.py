@@ -223,25 +223,25 @@ class CompactIndex:
         root); returns its id. Scalar work only (adoption record by record)."""
         if len(key) != 16:
             raise CompactIndexError(f"block keys are 16 bytes, got {len(key)}")
-        b = self.blocks.cols
+        bt = self.blocks
         if parent >= 0:
             self._check_block(parent)
-            if int(b["ns"][parent]) != ns:
+            if bt.mv("ns")[parent] != ns:
                 raise CompactIndexError(f"parent {parent} is in another namespace")
         self.keys.fit(self.live_blocks + 1)
-        bid = self.blocks.take1()
-        b = self.blocks.cols
-        b["k0"][bid] = int.from_bytes(key[:8], "little")
-        b["k1"][bid] = int.from_bytes(key[8:], "little")
-        b["ns"][bid], b["parent"][bid], b["pos"][bid] = ns, parent, pos
+        bid = bt.take1()
+        k0, k1, bns, bpar, bpos, kids = bt.views("k0", "k1", "ns", "parent", "pos", "children")
+        k0[bid] = int.from_bytes(key[:8], "little")
+        k1[bid] = int.from_bytes(key[8:], "little")
+        bns[bid], bpar[bid], bpos[bid] = ns, parent, pos
         self.keys.place1(bid)
         self.live_blocks += 1
         if parent >= 0:
-            b["children"][parent] += 1
-            if b["children"][parent] == 1:  # an NVMe full object: no more a leaf
+            kids[parent] += 1
+            if kids[parent] == 1:  # an NVMe full object: no more a leaf
                 full = self.leaves.full_of(parent)
                 if full != NO_FULL:
-                    self.leaves.refresh1(int(b["obj"][parent, full]))
+                    self.leaves.refresh1(bt.mv("obj")[parent * self.groups + full])
         return bid
 
     def _unindex(self, bid: int) -> None:

@@ -201,21 +201,21 @@ class Index:
 
     # ---- blocks ------------------------------------------------------------------------
 
-    def ensure_chain(self, ns: NamespaceRecord, key_list: list[bytes]) -> I32:
+    def ensure_chain(self, ns: NamespaceRecord, key_list: list[bytes]) -> I32 | list[int]:
         """The blocks of a prompt's keys (each the parent of the next), created
-        where missing; returns their ids."""
+        where missing; returns their ids (a list for a few keys)."""
         cx = self.cx
         if len(key_list) <= SMALL:  # (a few: scalar probes, one by one)
-            find, nsid = cx.keys.find1, ns.ns_id
-            ids = [find(nsid, k) for k in key_list]
-            if -1 in ids and ids.index(-1) + ids.count(-1) == len(ids):  # missing: the end
-                made = 0
-                for i in range(ids.index(-1), len(ids)):
-                    ids[i] = cx.add_block1(nsid, key_list[i], ids[i - 1] if i else -1, i)
-                    made += 1
-                self._created(ns, made)
-            if -1 not in ids:
-                return np.array(ids, dtype=np.int32)
+            nsid, n = ns.ns_id, len(key_list)
+            ids = cx.keys.leading(nsid, key_list, -1)
+            start = len(ids)  # (key ``start`` is not indexed)
+            if not any(cx.keys.find1(nsid, k) >= 0 for k in key_list[start + 1 :]):
+                # Missing: only the end (else the general path below).
+                for i in range(start, n):
+                    ids.append(cx.add_block1(nsid, key_list[i], ids[i - 1] if i else -1, i))
+                if n > start:
+                    self._created(ns, n - start)
+                return ids
         bids = cx.find_keys(ns.ns_id, key_list)
         if not (bids < 0).any():
             return bids

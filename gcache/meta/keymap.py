@@ -116,6 +116,28 @@ class KeyMap:
                 return t
             h = (h + 1) & mask
 
+    def leading(self, ns: int, keys: list[bytes], full: int) -> list[int]:
+        """The block ids of the leading ``keys`` that are indexed and (``full`` >=
+        0) hold an object of group ``full``: a small lookup's match, one C call
+        with no array made for it."""
+        b = self.blocks.cols
+        obj = b["obj"]
+        if self.kernels is not None:
+            try:
+                return self.kernels.key_prefix(  # type: ignore[no-any-return]
+                    self.table, b["k0"], b["k1"], b["ns"], obj, obj.shape[1], ns,
+                    keys if type(keys) is list else list(keys), full,
+                )  # fmt: skip
+            except ValueError as exc:
+                raise CompactIndexError(str(exc)) from exc
+        out = []
+        for key in keys:
+            bid = self.find1(ns, key)
+            if bid < 0 or (full >= 0 and obj[bid, full] < 0):
+                break
+            out.append(bid)
+        return out
+
     def match(self, ns: int, keys: list[bytes], group: int) -> int:
         """How many leading keys have an object of ``group``, for a group whose
         objects are prefix-closed (the full-attention group: only leaves are
@@ -182,9 +204,8 @@ class KeyMap:
 
     def place1(self, bid: int) -> None:
         """:meth:`place` of one block, without arrays."""
-        b = self.blocks
-        k0 = int(b.cols["k0"][bid])
-        ns = int(b.cols["ns"][bid])
+        k0v, nsv = self.blocks.views("k0", "ns")
+        k0, ns = k0v[bid], nsv[bid]
         table = self.table
         mask = table.size - 1
         h = (k0 ^ ns_mix(ns)) & mask

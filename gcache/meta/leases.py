@@ -154,22 +154,23 @@ class Leases:
 
     def match_blocks(
         self, ns: NamespaceRecord, key_list: list[bytes], limit: int
-    ) -> tuple[int, I32]:
-        """:meth:`match`, and the block ids of the keys it looked at."""
+    ) -> tuple[int, I32 | list[int]]:
+        """:meth:`match`, and the block ids of (at least) its first ``p`` keys:
+        an array, or for a few keys a list."""
         keys_ = key_list[:limit] if limit < len(key_list) else key_list
         cx = self.index.cx
-        bids = cx.find_keys(ns.ns_id, keys_) if keys_ else np.empty(0, dtype=np.int32)
         fg = ns.full_group
         layout = ns.layout
-        if len(keys_) <= SMALL:  # (a few: scalar work, no array calls)
-            ids = bids.tolist()
-            n = ids.index(-1) if -1 in ids else len(ids)
-            flat, width = cx.blocks.mv("obj"), cx.groups
-            if fg is not None:
-                # Entries are prefix-closed; a full object missing ends the match there.
-                n = next((j for j in range(n) if flat[ids[j] * width + fg] < 0), n)
-            p = layout.valid_match(n, lambda j, g: flat[ids[j] * width + g] >= 0)
+        bids: I32 | list[int]
+        if len(keys_) <= SMALL:  # (a few: one C call, no array made)
+            # Entries are prefix-closed; a full object missing ends the match there.
+            bids = ids = cx.keys.leading(ns.ns_id, keys_, -1 if fg is None else fg)
+            p = len(ids)
+            if ns.windowed:
+                flat, width = cx.blocks.mv("obj"), cx.groups
+                p = layout.valid_match(p, lambda j, g: flat[ids[j] * width + g] >= 0)
         else:
+            bids = cx.find_keys(ns.ns_id, keys_)
             obj = cx.blocks.cols["obj"]
             gaps = np.flatnonzero(bids < 0)
             n = int(gaps[0]) if gaps.size else len(keys_)
@@ -186,7 +187,7 @@ class Leases:
         c["hit_tokens"] += p * layout.block_size
         return p, bids
 
-    def pick(self, ns: NamespaceRecord, bids: I32, p: int, now: float) -> Picked:
+    def pick(self, ns: NamespaceRecord, bids: I32 | list[int], p: int, now: float) -> Picked:
         """The object rows a match of ``p`` blocks reads (:meth:`rows_of`),
         touched (a reuse) for the policy, then shown to ``on_pick``."""
         picked = self.rows_of(ns, bids, p)
@@ -200,13 +201,13 @@ class Leases:
             self.index.touch(picked, ns, now)
         self.on_pick(ns, picked)
 
-    def rows_of(self, ns: NamespaceRecord, bids: I32, p: int) -> Picked:
+    def rows_of(self, ns: NamespaceRecord, bids: I32 | list[int], p: int) -> Picked:
         """The object rows a match of ``p`` blocks reads, group by group, block
         by block: a list for a few (at most ``SMALL``), else an array."""
         layout = ns.layout
         obj = self.index.cx.blocks.cols["obj"]
         if p <= SMALL:  # (a few: scalar work, no array calls)
-            ids = bids[:p].tolist()
+            ids = bids[:p] if isinstance(bids, list) else bids[:p].tolist()
             flat, width = self.index.cx.blocks.mv("obj"), self.index.cx.groups
             few = [
                 flat[ids[j] * width + g]

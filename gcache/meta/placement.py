@@ -94,14 +94,15 @@ class Placement:
             budget = Budget()
         fg = ns.full_group
         branch = 0  # how far the prompt follows blocks with their full object cached
+        stored = ns.entries.stored(key_list)
         if fg is not None:
-            for objs in ns.entries.stored(key_list):
+            for objs in stored:
                 if objs[fg] < 0:
                     break
                 branch += 1
         checkpoints: list[int] = []
         if checkpoint_from >= 0 and fg is not None:
-            checkpoints = self._checkpoints(ns, key_list, branch, checkpoint_from)
+            checkpoints = self._checkpoints(ns, stored, branch, checkpoint_from)
             if checkpoints:
                 masks = ns.layout.add_windows(masks, checkpoints)
         placed: list[Placed] = []
@@ -110,7 +111,9 @@ class Placement:
             # The cached prefix, offered full objects only: all present, no probe.
             start = branch
         evictions = self.counters["evictions"]
-        deduped, no_space = self._place_objects(ns, key_list, masks, start, now, placed, budget)
+        deduped, no_space = self._place_objects(
+            ns, key_list, masks, start, now, placed, budget, stored
+        )
         deduped += start
         if self.counters["evictions"] != evictions:
             # Making room evicted objects this put had counted as stored: a second
@@ -142,10 +145,14 @@ class Placement:
         now: float,
         placed: list[Placed],
         budget: Budget,
+        stored: list[list[int]] | None = None,
     ) -> tuple[int, int]:
         """Allocate every object ``masks`` asks for from block ``start`` that is
-        neither stored nor in ``placed`` yet. Returns (already stored, no space)."""
-        stored = ns.entries.stored(key_list)
+        neither stored nor in ``placed`` yet. Returns (already stored, no space).
+        ``stored``: what :meth:`Entries.stored` says of ``key_list`` now, if known
+        (nothing evicted since)."""
+        if stored is None:
+            stored = ns.entries.stored(key_list)
         sizes = ns.layout.group_object_bytes
         have = {(p[0], p[1]) for p in placed} if placed else None
         deduped = no_space = 0
@@ -185,18 +192,18 @@ class Placement:
         return deduped, no_space
 
     def _checkpoints(
-        self, ns: NamespaceRecord, key_list: list[bytes], branch: int, first: int
+        self, ns: NamespaceRecord, stored: list[list[int]], branch: int, first: int
     ) -> list[int]:
-        """:meth:`Layout.checkpoint_positions` for this prompt, dense while the store
-        is below its low watermark, less the windows that are complete already."""
+        """:meth:`Layout.checkpoint_positions` for this prompt (``stored``: its
+        blocks' objects, :meth:`Entries.stored`), dense while the store is below
+        its low watermark, less the windows that are complete already."""
         layout = ns.layout
         interval = self.cfg.checkpoint_interval // layout.block_size
         if interval <= 0:
             return []
         dense = self._below_low_watermark()
-        stored = ns.entries.stored(key_list)
         out = []
-        for c in layout.checkpoint_positions(len(key_list), branch, first, interval, dense):
+        for c in layout.checkpoint_positions(len(stored), branch, first, interval, dense):
             for g, t in ns.windowed:
                 if any(stored[j][g] < 0 for j in range(max(0, c - t), c)):
                     out.append(c)

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from gcache import capability, wire
 from gcache.config import GRANT_MARGIN_S, MetaConfig
@@ -288,7 +289,7 @@ class Puts:
         self,
         ns: NamespaceRecord,
         keep: list[tuple[int, int, ServerRecord, int, int, bytes]],
-        bids: np.ndarray,
+        bids: npt.NDArray[np.int32] | list[int],
         now: float,
         owner: str,
         hold_until: float | None,
@@ -299,7 +300,7 @@ class Puts:
         index = self.index
         obj, width = index.cx.blocks.mv("obj"), index.cx.groups
         sizes = ns.layout.group_object_bytes
-        ids = bids.tolist()
+        ids = bids if isinstance(bids, list) else bids.tolist()
         oids: list[int] = []
         for block, g, srv, off, size, obj_sums in keep:
             bid = ids[block]

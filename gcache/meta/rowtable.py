@@ -57,6 +57,8 @@ class RowTable:
         self._mv: dict[str, Any] = {}  # flat memoryviews of the columns
         self._views: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self._arrs: dict[tuple[str, ...], tuple[np.ndarray, ...]] = {}
+        self._take_views: tuple[list[tuple[Any, int]], list[tuple[Any, float | int]]] | None
+        self._take_views = None
         self._grow(MIN_ROWS)
 
     def arrays(self, *names: str) -> tuple[np.ndarray, ...]:
@@ -90,6 +92,7 @@ class RowTable:
         self._mv.clear()
         self._views.clear()
         self._arrs.clear()
+        self._take_views = None
         for name, (dtype, width) in self.spec.items():
             shape = (cap, width) if width else (cap,)
             new = np.empty(shape, dtype=dtype)
@@ -138,13 +141,24 @@ class RowTable:
                 self._grow(2 * self.cap)
             row = self.rows
             self.rows += 1
-            for name, value in self.init.items():
-                self.mv(name)[row] = value
-        for name, v in self._fill1:
-            self.mv(name)[row] = v
+            for view, value in self._stores()[0]:
+                view[row] = value
+        for view, v in self._stores()[1]:
+            view[row] = v
         for name in self._fill2:
             self.cols[name][row] = self.fill[name]
         return row
+
+    def _stores(self) -> tuple[list[tuple[Any, int]], list[tuple[Any, float | int]]]:
+        """(init, fill of the 1-D columns) as (memoryview, value) pairs: what
+        :meth:`take1` writes, made once per growth."""
+        v = self._take_views
+        if v is None:
+            v = self._take_views = (
+                [(self.mv(name), value) for name, value in self.init.items()],
+                [(self.mv(name), value) for name, value in self._fill1],
+            )
+        return v
 
     def widen(self, name: str, width: int, value: int) -> None:
         """Column ``name`` (2-D) grows to ``width`` per row, new cells ``value``."""
@@ -157,6 +171,7 @@ class RowTable:
         self._mv.clear()
         self._views.clear()
         self._arrs.clear()
+        self._take_views = None
         self.cols[name] = new
         self.spec[name] = (dtype, width)
 

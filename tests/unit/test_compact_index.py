@@ -679,3 +679,44 @@ def test_reserve_grows_each_table_once_and_is_bounded() -> None:
     ).all()
     (more,) = ix.add_chain(0, [key(0, (99_999,))])
     assert (ix.blocks.cols["obj"][more] == -1).all()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_leading_keys_stop_at_the_first_missing_block_or_full_object(native: bool) -> None:
+    """``KeyMap.leading`` (a small lookup's match: the ``key_prefix`` kernel, or its
+    Python twin): the block ids of the leading indexed keys, cut at the first block
+    without an object of the full group when one is named."""
+    ix = CompactIndex(groups=2, native=native)
+    ix.namespace(3, 0)
+    keys = chain(3, [1, 2, 3, 4, 5])
+    bids = ix.add_chain(3, keys[:4]).tolist()
+    for bid in bids[:2]:
+        ix.add_object(bid, 0, 0, 64 * bid, 64, bytes(8), tick=bid)
+    ix.add_object(bids[3], 0, 0, 640, 64, bytes(8), tick=9)  # past a hole
+    assert ix.keys.leading(3, keys, -1) == bids  # key 5 is not indexed
+    assert ix.keys.leading(3, keys, 0) == bids[:2]  # block 3 has no full object
+    assert ix.keys.leading(3, keys, 1) == []
+    assert ix.keys.leading(4, keys, -1) == []  # another namespace
+    assert ix.keys.leading(3, [], 0) == []
+    with pytest.raises(CompactIndexError):
+        ix.keys.leading(3, [keys[0], b"short"], -1)
+
+
+def test_the_key_prefix_kernel_refuses_out_of_range_input() -> None:
+    assert INDEX_KERNELS is not None
+    ix = CompactIndex(groups=2)
+    ix.namespace(0, 0)
+    keys = chain(0, [1, 2])
+    bids = ix.add_chain(0, keys).tolist()
+    ix.add_object(bids[0], 0, 0, 0, 64, bytes(8), tick=1)
+    b = ix.blocks.cols
+    args = (ix.keys.table, b["k0"], b["k1"], b["ns"])
+    with pytest.raises(IndexError):  # an obj column shorter than the blocks
+        INDEX_KERNELS.key_prefix(*args, b["obj"][:1], 2, 0, keys, 0)
+    with pytest.raises(ValueError, match="group"):
+        INDEX_KERNELS.key_prefix(*args, b["obj"], 2, 0, keys, 2)
+    with pytest.raises(TypeError):
+        INDEX_KERNELS.key_prefix(*args, b["obj"], 2, 0, tuple(keys), 0)
+    assert INDEX_KERNELS.key_prefix(*args, b["obj"], 2, 0, keys, -1) == ix.find_keys(
+        0, keys
+    ).tolist()
