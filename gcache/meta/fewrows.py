@@ -40,6 +40,21 @@ class FewRows:
 
     def __init__(self, cx: CompactIndex) -> None:
         self.cx = cx
+        # The kernels' column arguments as flat memoryviews (their buffers cost a
+        # kernel less than arrays'), made again when a table's columns are replaced.
+        self._gens = (-1, -1)
+        self._lease_cols: tuple[Any, ...] = ()
+        self._unpin_cols: tuple[Any, ...] = ()
+
+    def _cols(self) -> None:
+        o, b = self.cx.objects, self.cx.blocks
+        if self._gens != (o.gen, b.gen):
+            self._lease_cols = (*o.views(*_LEASE_COLS), b.mv("pos"))
+            self._unpin_cols = (
+                *o.views("pins", "block", "hpos", "group", "tier"),
+                *b.views("ns", "hot", "children"),
+            )
+            self._gens = (o.gen, b.gen)
 
     def pin(self, ids: list[int]) -> None:
         """:meth:`CompactIndex.pin` of a few rows given as a list (scalar work, no arrays)."""
@@ -59,10 +74,10 @@ class FewRows:
         k = self.cx.kernels
         if k is not None and len(ids) <= SMALL:
             h0, h1 = self.cx.leaves.heaps
+            self._cols()
             try:
                 fields, h0.seq, h1.seq = k.lease_rows(
-                    ids, tick, atime, *self.cx.objects.arrays(*_LEASE_COLS),
-                    self.cx.blocks.cols["pos"], self.cx.sums_slabs.arrays(),
+                    ids, tick, atime, *self._lease_cols, self.cx.sums_slabs.arrays(),
                     h0.heap, h0.size, h0.seq, h1.heap, h1.size, h1.seq,
                 )  # fmt: skip
             except ValueError as exc:
@@ -102,11 +117,9 @@ class FewRows:
         C call with the native kernels)."""
         k = self.cx.kernels
         if k is not None and len(ids) <= SMALL:
+            self._cols()
             try:
-                left = k.unpin_rows(
-                    ids, *self.cx.objects.arrays("pins", "block", "hpos", "group", "tier"),
-                    *self.cx.blocks.arrays("ns", "hot", "children"), self.cx.leaves.full,
-                )  # fmt: skip
+                left = k.unpin_rows(ids, *self._unpin_cols, self.cx.leaves.full)
             except ValueError as exc:
                 raise CompactIndexError(str(exc)) from exc
             return self.cx.last_unpins(left)

@@ -395,22 +395,24 @@ class Index:
         self._count(ns, group, srv, slot, 1, length, owner, tier)
         return oid
 
-    def admit(self, ns: NamespaceRecord, oids: I32, ordered: bool = True) -> None:
+    def admit(self, ns: NamespaceRecord, oids: I32 | list[int], ordered: bool = True) -> None:
         """Newly added objects, for the policies that score them (once every
         object of the put or chunk is added, so they see the final tree).
         ``ordered``: objects whose keys tie rank in the order given (a put's;
-        a report's objects have distinct access times)."""
-        if not oids.size:
+        a report's objects have distinct access times). A list: a small put's."""
+        n = len(oids)
+        if not n:
             return
         pol0, pol1 = self._policies
-        if oids.size <= SMALL and not (pol0.events or pol1.events):
-            if ordered and oids.size > 1:  # (a few, LRU: ties rank in the order given;
+        if n <= SMALL and not (pol0.events or pol1.events):
+            if ordered and n > 1:  # (a few, LRU: ties rank in the order given;
                 # one object was pushed last already)
                 tier = self.cx.objects.mv("tier")
                 heaps = self.cx.leaves.heaps
-                for oid in oids.tolist():
+                for oid in oids if isinstance(oids, list) else oids.tolist():
                     heaps[tier[oid]].reseq1(oid)
             return
+        oids = np.asarray(oids, dtype=np.int32)
         tiers = self.cx.objects.cols["tier"][oids]
         for t, p in enumerate(self._policies):
             mine = oids[tiers == t]

@@ -205,7 +205,6 @@ class Leases:
         """The object rows a match of ``p`` blocks reads, group by group, block
         by block: a list for a few (at most ``SMALL``), else an array."""
         layout = ns.layout
-        obj = self.index.cx.blocks.cols["obj"]
         if p <= SMALL:  # (a few: scalar work, no array calls)
             ids = bids[:p] if isinstance(bids, list) else bids[:p].tolist()
             flat, width = self.index.cx.blocks.mv("obj"), self.index.cx.groups
@@ -220,6 +219,7 @@ class Leases:
                 return few
             picked = np.array(few, dtype=np.int32)
         else:
+            obj = self.index.cx.blocks.cols["obj"]
             parts = []
             for g in range(layout.num_groups):
                 w = layout.window_blocks(g, p)

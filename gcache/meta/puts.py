@@ -313,7 +313,7 @@ class Puts:
         if record:
             for oid in oids:
                 index.record(ns, index.obj(oid))
-        index.admit(ns, np.array(oids, dtype=np.int32))
+        index.admit(ns, oids)
         self.counters["puts_committed"] += 1
         self.counters["objects_committed"] += len(oids)
         for srv in touched.values():

@@ -48,8 +48,9 @@ class RowTable:
             for name, v in fill.items()
             if not spec[name][1]
         ]
-        self._fill2 = [name for name in fill if spec[name][1]]  # (2-D: a whole row)
+        self._fill2 = self._row_patterns()
         self.cap = 0
+        self.gen = 0  # bumped when the columns are replaced (their views are stale)
         self.rows = 0  # high-water mark of row ids handed out
         self.free = np.empty(0, dtype=np.int32)
         self.nfree = 0
@@ -60,6 +61,15 @@ class RowTable:
         self._take_views: tuple[list[tuple[Any, int]], list[tuple[Any, float | int]]] | None
         self._take_views = None
         self._grow(MIN_ROWS)
+
+    def _row_patterns(self) -> list[tuple[str, bytes]]:
+        """The fill of each 2-D column as one row's bytes (written into the
+        column's byte view: no array made per row)."""
+        return [
+            (name, np.full(self.spec[name][1], value, dtype=self.spec[name][0]).tobytes())
+            for name, value in self.fill.items()
+            if self.spec[name][1]
+        ]
 
     def arrays(self, *names: str) -> tuple[np.ndarray, ...]:
         """The columns ``names`` (one call for a kernel's arguments; valid until the
@@ -89,6 +99,7 @@ class RowTable:
         return v
 
     def _grow(self, cap: int) -> None:
+        self.gen += 1
         self._mv.clear()
         self._views.clear()
         self._arrs.clear()
@@ -145,9 +156,18 @@ class RowTable:
                 view[row] = value
         for view, v in self._stores()[1]:
             view[row] = v
-        for name in self._fill2:
-            self.cols[name][row] = self.fill[name]
+        for name, pattern in self._fill2:
+            w = len(pattern)
+            self.byte_view(name)[row * w : (row + 1) * w] = pattern
         return row
+
+    def byte_view(self, name: str) -> Any:
+        """Column ``name``'s bytes as a flat memoryview (valid as :meth:`mv`)."""
+        key = name + ":B"
+        v = self._mv.get(key)
+        if v is None:
+            v = self._mv[key] = memoryview(self.cols[name].data).cast("B")
+        return v
 
     def _stores(self) -> tuple[list[tuple[Any, int]], list[tuple[Any, float | int]]]:
         """(init, fill of the 1-D columns) as (memoryview, value) pairs: what
@@ -168,12 +188,14 @@ class RowTable:
         new = np.empty((self.cap, width), dtype=dtype)  # (rows past ``rows``: untouched)
         new[: self.rows, :old] = self.cols[name][: self.rows]
         new[: self.rows, old:] = value
+        self.gen += 1
         self._mv.clear()
         self._views.clear()
         self._arrs.clear()
         self._take_views = None
         self.cols[name] = new
         self.spec[name] = (dtype, width)
+        self._fill2 = self._row_patterns()
 
     def give(self, ids: I32) -> None:
         """Row ids back to the free stack."""
