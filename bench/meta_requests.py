@@ -69,8 +69,11 @@ def main() -> None:
         placed = core.put_begin(
             wire.PutBegin(fp, ks, layout.groups_to_store(len(ks))), 1.0, WALL, client
         )
-        done = [(j, bytes(8 * len(layout.group_layers[p.group]))) for j, p in enumerate(placed.placements)]  # fmt: skip
-        rc = [capability.receipt(SECRET, p.grant.offset, p.grant.length, p.grant.expiry_ms) for p in placed.placements]  # fmt: skip
+        done, rc = [], []
+        for j, pl in enumerate(placed.placements):
+            done.append((j, bytes(8 * len(layout.group_layers[pl.group]))))
+            g = pl.grant
+            rc.append(capability.receipt(SECRET, g.offset, g.length, g.expiry_ms))
         return int(core.put_commit(wire.PutCommit(placed.put_id, done, rc), 1.0, client))
 
     out: dict[str, float] = {}
