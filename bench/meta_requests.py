@@ -102,8 +102,9 @@ def main() -> None:
     if args.only != "lookup":
         put1(-1)
         out["put_1_us"] = best(args.rounds, args.n, put1) - best(args.rounds, args.n, own)
+    print("| request | us (min of rounds) |\n|---|---|")
     for name, us in out.items():
-        print(f"{name:24s} {us:7.2f}")
+        print(f"| {name.removesuffix('_us')} | {us:.2f} |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

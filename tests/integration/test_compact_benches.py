@@ -1,5 +1,6 @@
-"""bench/compact_index.py at a small size: it runs, and its JSON has every field
-the docs' tables are made of, so it does not rot between the runs at fleet scale."""
+"""bench/compact_index.py and bench/meta_requests.py at a small size: they run,
+and their JSON has every field the docs' tables are made of, so they do not rot
+between the runs that fill those tables."""
 
 from __future__ import annotations
 
@@ -37,3 +38,10 @@ def test_compact_index_bench_small(tmp_path: Path) -> None:
         for key in ("lookup_32k_p99_us", "leased_128k_p99_us", "evict_us_per_object"):
             assert r[key] > 0, (r["side"], key)
     assert rows[1]["rebuild_s"] >= 0 and rows[1]["array_bytes_per_block"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_meta_requests_bench_small(tmp_path: Path) -> None:
+    res = run(tmp_path, "bench.meta_requests", "--rounds", "1", "--n", "200")
+    assert set(res) == {"lookup_release_1_us", "lookup_release_4_us", "put_1_us"}
+    assert all(isinstance(v, float) and v > 0 for v in res.values()), res
