@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from gcache import capability, keys, wire
 from gcache.benchtool import ops
 from gcache.config import MetaConfig
@@ -64,7 +66,7 @@ def main() -> None:
     layout = core.namespaces[fp].layout
     client = Session("bench-client")
 
-    def put(tokens: object) -> int:
+    def put(tokens: np.ndarray) -> int:
         ks = keys.block_keys(fp, tokens, layout.block_size)
         placed = core.put_begin(
             wire.PutBegin(fp, ks, layout.groups_to_store(len(ks))), 1.0, WALL, client
