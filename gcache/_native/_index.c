@@ -155,6 +155,19 @@ done:
     return res;
 }
 
+/* The block id of one key of a list (-1: absent) into *b; -1 with an error set
+ * when the item is not a 16-byte key or the table names a row past the blocks. */
+static int probe_item(const keymap_t *m, PyObject *k, uint16_t nsid, int32_t *b) {
+    if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != 16) {
+        PyErr_SetString(PyExc_ValueError, "block keys are 16 bytes each");
+        return -1;
+    }
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(k);
+    *b = find1(m, le64(p), le64(p + 8), nsid);
+    if (*b == -3) { oob("table entry", *b); return -1; }
+    return 0;
+}
+
 static PyObject *py_key_find_list(PyObject *self, PyObject *args) {
     PyObject *to, *k0o, *k1o, *nso, *keylist, *outo;
     int nsid;
@@ -173,17 +186,8 @@ static PyObject *py_key_find_list(PyObject *self, PyObject *args) {
         goto done;
     }
     int32_t *out = ob.b.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keylist, i);
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != 16) {
-            PyErr_SetString(PyExc_ValueError, "block keys are 16 bytes each");
-            goto done;
-        }
-        const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(k);
-        int32_t b = find1(&m, le64(p), le64(p + 8), (uint16_t)nsid);
-        if (b == -3) { oob("table entry", b); goto done; }
-        out[i] = b;
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (probe_item(&m, PyList_GET_ITEM(keylist, i), (uint16_t)nsid, &out[i]) < 0) goto done;
     res = Py_NewRef(Py_None);
 done:
     put(&tb); put(&k0b); put(&k1b); put(&nsb); put(&ob);
@@ -215,14 +219,8 @@ static PyObject *py_key_prefix(PyObject *self, PyObject *args) {
     Py_ssize_t n = PyList_GET_SIZE(keylist);
     if (!(out = PyList_New(0))) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keylist, i);
-        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != 16) {
-            PyErr_SetString(PyExc_ValueError, "block keys are 16 bytes each");
-            goto done;
-        }
-        const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(k);
-        int32_t b = find1(&m, le64(p), le64(p + 8), (uint16_t)nsid);
-        if (b == -3) { oob("table entry", b); goto done; }
+        int32_t b;
+        if (probe_item(&m, PyList_GET_ITEM(keylist, i), (uint16_t)nsid, &b) < 0) goto done;
         if (b < 0) break;
         if (full >= 0) {
             Py_ssize_t at = (Py_ssize_t)b * groups + full;
